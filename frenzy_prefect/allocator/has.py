@@ -1,0 +1,48 @@
+"""Stage 1 of HAS: the first plan, in priority order, that the free GPUs can hold."""
+
+from __future__ import annotations
+
+from frenzy_prefect.allocator.placement import place
+from frenzy_prefect.errors import ClusterBusy, NoFeasiblePlan
+from frenzy_prefect.spec.cluster import ClusterState
+from frenzy_prefect.spec.plan import Allocation, PlanCandidate
+
+GIB = 1024**3
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def allocate(candidates: list[PlanCandidate], state: ClusterState) -> Allocation:
+    """``candidates`` as ``candidate_plans`` returns them (priority order)."""
+    cluster = state.cluster
+    if not candidates:
+        raise NoFeasiblePlan(f"no GPU type in cluster {cluster.name!r} supports the requested precision")
+    feasible = [c for c in candidates if c.fits]
+    if not feasible:
+        smallest = min(candidates, key=lambda c: c.memory.peak_bytes)
+        biggest = max(cluster.nodes, key=lambda n: cluster.gpu_of(n).memory_bytes)
+        raise NoFeasiblePlan(
+            f"no GPU type in cluster {cluster.name!r} can hold this job under any plan: the smallest "
+            f"per-GPU requirement found is {_gib(smallest.memory.peak_bytes)} ({smallest.plan.label()} on "
+            f"{smallest.gpu_type}), the largest GPU available is {biggest.gpu_type} with "
+            f"{_gib(cluster.gpu_of(biggest).memory_bytes)} (node {biggest.name})"
+        )
+    for c in feasible:
+        free = [(n, state.free_gpus.get(n.name, [])) for n in cluster.nodes if n.gpu_type == c.gpu_type]
+        placements = place(c.plan.gpus, free, group=c.plan.tp)
+        if placements:
+            return Allocation(
+                gpu_type=c.gpu_type,
+                plan=c.plan,
+                memory=c.memory,
+                gpu_memory_bytes=c.gpu_memory_bytes,
+                step_time_s=c.step_time_s,
+                placements=placements,
+            )
+    fewest = min(feasible, key=lambda c: c.plan.gpus)
+    raise ClusterBusy(
+        f"{len(feasible)} plans fit cluster {cluster.name!r}, but not its free GPUs now; the smallest needs "
+        f"{fewest.plan.gpus} x {fewest.gpu_type}"
+    )

@@ -1,0 +1,91 @@
+"""MARP's resource plans: every (GPU type, parallel plan) the engine can run, with predicted
+memory and step time, in priority order."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from frenzy_prefect.allocator.step_time import step_time_s
+from frenzy_prefect.memory.analytic import estimate
+from frenzy_prefect.spec.cluster import ClusterSpec, GpuType
+from frenzy_prefect.spec.model import ModelSpec
+from frenzy_prefect.spec.plan import ParallelPlan, PlanCandidate
+from frenzy_prefect.spec.request import TrainingRequest
+
+# What the training engine executes today: data parallel with gradient accumulation, with or
+# without full recomputation. Tensor/pipeline parallelism and ZeRO widen this set later.
+ENGINE_RECOMPUTE = ("none", "full")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def gpu_kinds(cluster: ClusterSpec) -> dict[str, tuple[GpuType, int, int]]:
+    """Per GPU type: the type (with the smallest memory any of its nodes declares), the total
+    GPU count, and the largest node's GPU count."""
+    kinds: dict[str, tuple[GpuType, int, int]] = {}
+    for node in cluster.nodes:
+        gpu = cluster.gpu_of(node)
+        if node.gpu_type in kinds:
+            known, total, largest = kinds[node.gpu_type]
+            gpu = gpu if gpu.memory_bytes < known.memory_bytes else known
+            kinds[node.gpu_type] = (gpu, total + node.gpu_count, max(largest, node.gpu_count))
+        else:
+            kinds[node.gpu_type] = (gpu, node.gpu_count, node.gpu_count)
+    return kinds
+
+
+def engine_plans(global_batch: int, max_gpus: int) -> Iterator[ParallelPlan]:
+    for dp in _divisors(global_batch):
+        if dp > max_gpus:
+            break
+        for micro_batch in _divisors(global_batch // dp):
+            for recompute in ENGINE_RECOMPUTE:
+                yield ParallelPlan(dp=dp, micro_batch=micro_batch, recompute=recompute)
+
+
+def candidate_plans(model: ModelSpec, request: TrainingRequest, cluster: ClusterSpec) -> list[PlanCandidate]:
+    """All candidates, fitting ones first, each group by predicted step time, then fewer GPUs,
+    fewer accumulation steps, no recomputation."""
+    out: list[PlanCandidate] = []
+    for name, (gpu, total, largest) in gpu_kinds(cluster).items():
+        if request.precision == "bf16" and not gpu.supports_bf16:
+            continue
+        for plan in engine_plans(request.global_batch, total):
+            link = gpu.link_gbps if plan.gpus <= largest else cluster.network_gbps
+            out.append(
+                PlanCandidate(
+                    gpu_type=name,
+                    plan=plan,
+                    memory=estimate(
+                        model,
+                        plan,
+                        global_batch=request.global_batch,
+                        seq_len=request.seq_len,
+                        precision=request.precision,
+                        optimizer_bytes_per_param=request.optimizer.state_bytes_per_parameter,
+                        gpu=gpu,
+                    ),
+                    gpu_memory_bytes=gpu.memory_bytes,
+                    step_time_s=step_time_s(
+                        model,
+                        plan,
+                        global_batch=request.global_batch,
+                        seq_len=request.seq_len,
+                        precision=request.precision,
+                        gpu=gpu,
+                        link_gbps=link,
+                    ),
+                )
+            )
+    out.sort(
+        key=lambda c: (
+            not c.fits,
+            c.step_time_s,
+            c.plan.gpus,
+            c.plan.accumulation(request.global_batch),
+            c.plan.recompute != "none",
+        )
+    )
+    return out

@@ -1,0 +1,27 @@
+"""Prefect blocks: the cluster inventory that flows and the worker read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+from prefect.blocks.core import Block
+from pydantic import Field
+
+from frenzy_prefect.spec.cluster import ClusterSpec
+
+
+class FrenzyCluster(Block):
+    """The nodes of a GPU cluster (name, host, GPU type, count, memory), for the Frenzy allocator."""
+
+    _block_type_name: ClassVar[str] = "Frenzy Cluster"
+    _block_type_slug: ClassVar[str] = "frenzy-cluster"
+    _description: ClassVar[str] = (
+        "A GPU cluster inventory for frenzy-prefect: nodes with their host, GPU type, GPU count and memory."
+    )
+
+    cluster: ClusterSpec = Field(description="Nodes, extra GPU types and the network between nodes.")
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "FrenzyCluster":
+        return cls(cluster=ClusterSpec.from_file(path))

@@ -1,0 +1,36 @@
+"""Errors the user can act on, and how a pydantic validation error reads as one line."""
+
+from __future__ import annotations
+
+from pydantic import ValidationError
+
+
+class FrenzyError(ValueError):
+    """Bad input or an impossible request: the message says what is wrong and what would work."""
+
+
+class NoFeasiblePlan(FrenzyError):
+    """No GPU type in the cluster can hold the job under any plan."""
+
+
+class ClusterBusy(FrenzyError):
+    """Plans fit the cluster's GPU types, but not the GPUs that are free now."""
+
+
+class DatasetError(FrenzyError):
+    """A dataset URI that does not exist, cannot be read or has the wrong format."""
+
+
+class StorageUnreachable(FrenzyError):
+    """The object store (S3 endpoint) cannot be reached."""
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """One line per problem: ``field.path: message (got value)``."""
+    lines = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or exc.title
+        got = err.get("input")
+        shown = "" if isinstance(got, dict) or got is None else f" (got {got!r})"
+        lines.append(f"{where}: {err['msg']}{shown}")
+    return "; ".join(lines)

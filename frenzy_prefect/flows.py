@@ -1,0 +1,50 @@
+"""The flows users deploy: `train-llm` (the pipeline step) and `distributed-train` (its ranks)."""
+
+from __future__ import annotations
+
+from prefect import flow
+from prefect.logging import get_run_logger
+from prefect.runtime import flow_run
+
+from frenzy_prefect.spec.plan import TrainingJob
+from frenzy_prefect.spec.request import TrainingRequest
+from frenzy_prefect.spec.result import TrainingReport, TrainingResult
+from frenzy_prefect.tasks import allocate, estimate_memory, profile_cluster, profile_dataset, profile_model, report, train
+from frenzy_prefect.training.distributed import DistributedContext
+from frenzy_prefect.training.trainer import train as train_ranks
+
+TRAINING_DEPLOYMENT = "distributed-train/frenzy"
+
+
+def default_output(dataset: str, run_name: str) -> str:
+    """Beside the dataset: <dataset dir>/frenzy-runs/<flow run name>."""
+    return f"{dataset.rsplit('/', 1)[0]}/frenzy-runs/{run_name}"
+
+
+@flow(name="train-llm")
+def train_llm(
+    request: TrainingRequest,
+    cluster: str = "local-hetero",
+    training_deployment: str = TRAINING_DEPLOYMENT,
+) -> TrainingReport:
+    """Train ``request.model`` on ``request.dataset``: profile, estimate memory, allocate GPUs,
+    train on them, report. ``cluster`` names a FrenzyCluster block."""
+    model = profile_model(request)
+    profile_dataset(request, model)
+    state = profile_cluster(cluster)
+    candidates = estimate_memory(model, request, state)
+    allocation = allocate(candidates, state)
+    job = TrainingJob(
+        request=request,
+        model=model,
+        allocation=allocation,
+        output=request.output or default_output(request.dataset, flow_run.get_name() or "local"),
+    )
+    result, training_run = train(job, training_deployment)
+    return report(job, result, training_run)
+
+
+@flow(name="distributed-train")
+def distributed_train(job: TrainingJob) -> TrainingResult:
+    """Rank 0 of a training job (the `frenzy` worker starts the other ranks beside it)."""
+    return train_ranks(job, DistributedContext.from_env(), log=get_run_logger().info)

@@ -1,0 +1,14 @@
+"""A command to run on a host: what a launcher starts."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+
+
+class Launch(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    host: str
+    argv: list[str] = Field(min_length=1, description="An argument list, never a shell string.")
+    env: dict[str, str] = Field(default_factory=dict)
+    processes: PositiveInt = Field(default=1, description="Processes this command becomes (ranks on the node).")

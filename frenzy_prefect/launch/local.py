@@ -1,0 +1,101 @@
+"""The local launcher: every command as a process (group) on this machine.
+
+Each command starts in its own session, so one signal reaches the command and all its children
+(torchrun's ranks). If any command fails, the others are stopped: a job lives or dies whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+from pathlib import Path
+
+from frenzy_prefect.errors import FrenzyError
+from frenzy_prefect.launch.command import Launch
+
+
+def is_local(host: str) -> bool:
+    return host in {"127.0.0.1", "localhost", "::1", socket.gethostname(), socket.getfqdn()}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.killpg(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+async def stop_process_groups(pids: list[int], grace_s: float) -> None:
+    """SIGTERM each group, SIGKILL whatever is left after ``grace_s``."""
+    for pid in pids:
+        _signal(pid, signal.SIGTERM)
+    deadline = asyncio.get_running_loop().time() + grace_s
+    while any(_alive(p) for p in pids) and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.1)
+    for pid in pids:
+        _signal(pid, signal.SIGKILL)
+
+
+class ProcessGroup:
+    """The running commands of one job."""
+
+    def __init__(self, processes: list[asyncio.subprocess.Process]):
+        self.processes = processes
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    @property
+    def identifier(self) -> str:
+        return ",".join(str(p) for p in self.pids)
+
+    async def wait(self, grace_s: float = 10.0) -> int:
+        """Wait for every command; on the first failure stop the rest. The first non-zero exit code, or 0."""
+        pending = {asyncio.ensure_future(p.wait()): p for p in self.processes}
+        first_failure = 0
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                pending.pop(fut)
+                code = fut.result()
+                if code != 0 and first_failure == 0:
+                    first_failure = code
+                    await stop_process_groups([p.pid for p in pending.values()], grace_s)
+        return first_failure
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        await stop_process_groups(self.pids, grace_s)
+
+
+async def start_local(launches: list[Launch], cwd: Path | None = None) -> ProcessGroup:
+    remote = [l.host for l in launches if not is_local(l.host)]
+    if remote:
+        raise FrenzyError(
+            f"the local launcher runs only on this machine, but the job is placed on {', '.join(sorted(set(remote)))}; "
+            "declare those nodes with host 127.0.0.1 or use a launcher that reaches them"
+        )
+    threads = max(1, (os.cpu_count() or 1) // sum(l.processes for l in launches))
+    processes: list[asyncio.subprocess.Process] = []
+    try:
+        for launch in launches:
+            env = {"OMP_NUM_THREADS": str(threads), **launch.env}
+            processes.append(
+                await asyncio.create_subprocess_exec(*launch.argv, env=env, cwd=cwd, start_new_session=True)
+            )
+    except BaseException:
+        await stop_process_groups([p.pid for p in processes], grace_s=5)
+        raise
+    return ProcessGroup(processes)

@@ -1,0 +1,1 @@
+"""Derive the job's specs from what the user gave: model presets/configs and datasets."""

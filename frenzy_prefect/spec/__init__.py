@@ -1,0 +1,31 @@
+"""Boundary objects: what a user asks for, what the cluster is, and what the allocator decides."""
+
+from frenzy_prefect.spec.cluster import ClusterSpec, ClusterState, GpuType, Node
+from frenzy_prefect.spec.model import ModelSpec
+from frenzy_prefect.spec.plan import (
+    Allocation,
+    MemoryBreakdown,
+    MemoryEstimate,
+    ParallelPlan,
+    PlanCandidate,
+    Placement,
+    TrainingJob,
+)
+from frenzy_prefect.spec.request import OptimizerSettings, TrainingRequest
+
+__all__ = [
+    "Allocation",
+    "ClusterSpec",
+    "ClusterState",
+    "GpuType",
+    "MemoryBreakdown",
+    "MemoryEstimate",
+    "ModelSpec",
+    "Node",
+    "OptimizerSettings",
+    "ParallelPlan",
+    "PlanCandidate",
+    "Placement",
+    "TrainingJob",
+    "TrainingRequest",
+]

@@ -1,0 +1,102 @@
+"""GPU types, nodes, a cluster inventory, and which of its GPUs are free now."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
+
+
+class GpuType(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    memory_bytes: PositiveInt
+    half_tflops: PositiveFloat = Field(description="Dense bf16/fp16 tensor peak.")
+    fp32_tflops: PositiveFloat
+    link_gbps: PositiveFloat = Field(description="GPU-to-GPU bandwidth inside a node, GB/s (NVLink or PCIe).")
+    supports_bf16: bool = True
+    runtime_overhead_bytes: NonNegativeInt = Field(
+        default=0, description="CUDA context, library workspaces and allocator headroom per GPU."
+    )
+
+
+class Node(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(min_length=1)
+    host: str = Field(min_length=1, description="Where its ranks run: 127.0.0.1 for the local launcher.")
+    gpu_type: str
+    gpu_count: PositiveInt
+    gpu_memory_gib: PositiveFloat | None = Field(
+        default=None, description="Per-GPU memory; defaults to the GPU type's."
+    )
+
+
+class ClusterSpec(BaseModel):
+    """A cluster inventory: from a YAML/JSON file, a FrenzyCluster block, or node discovery."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = "cluster"
+    nodes: list[Node] = Field(min_length=1)
+    gpu_types: dict[str, GpuType] = Field(
+        default_factory=dict, description="Types the built-in catalog lacks (or overrides)."
+    )
+    network_gbps: PositiveFloat = Field(default=3.125, description="Bandwidth between nodes, GB/s (25 Gb/s).")
+
+    @model_validator(mode="after")
+    def _check(self) -> "ClusterSpec":
+        names = [n.name for n in self.nodes]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"node names must be unique; repeated: {', '.join(dupes)}")
+        known = self.known_gpu_types()
+        for node in self.nodes:
+            if node.gpu_type not in known:
+                raise ValueError(
+                    f"node {node.name!r} has unknown gpu_type {node.gpu_type!r}; known types: "
+                    f"{', '.join(sorted(known))} (or declare it under gpu_types)"
+                )
+        return self
+
+    def known_gpu_types(self) -> dict[str, GpuType]:
+        from frenzy_prefect.spec.catalog import GPU_CATALOG
+
+        return {**GPU_CATALOG, **self.gpu_types}
+
+    def node(self, name: str) -> Node:
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        raise KeyError(f"no node {name!r} in cluster {self.name!r}")
+
+    def gpu_of(self, node: Node) -> GpuType:
+        """The node's GPU type, with the node's own memory size where it declares one."""
+        gpu = self.known_gpu_types()[node.gpu_type]
+        if node.gpu_memory_gib is None:
+            return gpu
+        return gpu.model_copy(update={"memory_bytes": int(node.gpu_memory_gib * 1024**3)})
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "ClusterSpec":
+        data: Any = yaml.safe_load(Path(path).read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: a cluster file is a mapping with 'nodes' (and optional 'name', 'gpu_types')")
+        data.setdefault("name", Path(path).stem)
+        return cls.model_validate(data)
+
+
+class ClusterState(BaseModel):
+    """The cluster plus the GPU indices free on each node right now."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    cluster: ClusterSpec
+    free_gpus: dict[str, list[int]]
+
+    @classmethod
+    def idle(cls, cluster: ClusterSpec) -> "ClusterState":
+        return cls(cluster=cluster, free_gpus={n.name: list(range(n.gpu_count)) for n in cluster.nodes})

@@ -1,0 +1,146 @@
+"""Parallel plans, their predicted memory, and the allocator's decision."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
+
+from frenzy_prefect.errors import FrenzyError
+from frenzy_prefect.spec.model import ModelSpec
+from frenzy_prefect.spec.request import TrainingRequest
+
+Recompute = Literal["none", "selective", "full"]
+
+
+class ParallelPlan(BaseModel):
+    """How one job is split: global_batch = dp * micro_batch * accumulation steps."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    dp: PositiveInt = 1
+    tp: PositiveInt = 1
+    pp: PositiveInt = 1
+    micro_batch: PositiveInt = 1
+    zero: Literal[0, 1, 2, 3] = 0
+    recompute: Recompute = "none"
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def accumulation(self, global_batch: int) -> int:
+        per_step = self.dp * self.micro_batch
+        if global_batch % per_step:
+            raise FrenzyError(
+                f"global_batch ({global_batch}) must be divisible by dp * micro_batch "
+                f"({self.dp} * {self.micro_batch} = {per_step})"
+            )
+        return global_batch // per_step
+
+    def label(self) -> str:
+        return (
+            f"dp={self.dp} tp={self.tp} pp={self.pp} mb={self.micro_batch} "
+            f"zero={self.zero} recompute={self.recompute}"
+        )
+
+
+class MemoryBreakdown(BaseModel):
+    """Peak bytes on one GPU, by what holds them."""
+
+    model_config = ConfigDict(frozen=True)
+
+    params: NonNegativeInt
+    grads: NonNegativeInt
+    optimizer: NonNegativeInt
+    activations: NonNegativeInt
+    other: NonNegativeInt
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.other
+
+
+class MemoryEstimate(BaseModel):
+    """One breakdown per pipeline stage (every rank of a stage holds the same)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    per_stage: list[MemoryBreakdown] = Field(min_length=1)
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(b.total for b in self.per_stage)
+
+    @property
+    def peak_stage(self) -> MemoryBreakdown:
+        return max(self.per_stage, key=lambda b: b.total)
+
+
+class PlanCandidate(BaseModel):
+    """A plan on a GPU type, with its predicted memory and step time."""
+
+    model_config = ConfigDict(frozen=True)
+
+    gpu_type: str
+    plan: ParallelPlan
+    memory: MemoryEstimate
+    gpu_memory_bytes: PositiveInt
+    step_time_s: PositiveFloat
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.peak_bytes <= self.gpu_memory_bytes
+
+
+class Placement(BaseModel):
+    """GPUs of one node given to a job."""
+
+    model_config = ConfigDict(frozen=True)
+
+    node: str
+    host: str
+    gpus: list[NonNegativeInt] = Field(min_length=1)
+
+
+class Allocation(BaseModel):
+    """The allocator's decision: a plan on a GPU type, placed on nodes."""
+
+    model_config = ConfigDict(frozen=True)
+
+    gpu_type: str
+    plan: ParallelPlan
+    memory: MemoryEstimate
+    gpu_memory_bytes: PositiveInt
+    step_time_s: PositiveFloat
+    placements: list[Placement] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _check_count(self) -> "Allocation":
+        placed = sum(len(p.gpus) for p in self.placements)
+        if placed != self.plan.gpus:
+            raise ValueError(f"placements hold {placed} GPUs but the plan needs {self.plan.gpus}")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.gpus
+
+
+class TrainingJob(BaseModel):
+    """Everything the ranks need to train: the request, the resolved model and the allocation."""
+
+    model_config = ConfigDict(frozen=True)
+
+    request: TrainingRequest
+    model: ModelSpec
+    allocation: Allocation
+    output: str = Field(description="URI prefix that receives checkpoint.pt and metrics.json.")
+
+    @property
+    def checkpoint_uri(self) -> str:
+        return f"{self.output.rstrip('/')}/checkpoint.pt"
+
+    @property
+    def metrics_uri(self) -> str:
+        return f"{self.output.rstrip('/')}/metrics.json"

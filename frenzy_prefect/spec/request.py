@@ -1,0 +1,56 @@
+"""What a data team asks for: train this model on this dataset with this global batch."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+
+Precision = Literal["fp32", "bf16", "fp16"]
+
+
+class OptimizerSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: Literal["adamw", "adam", "sgd"] = "adamw"
+    lr: PositiveFloat = 1e-3
+    weight_decay: NonNegativeFloat = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    momentum: NonNegativeFloat = Field(default=0.9, description="SGD only; 0 keeps no momentum buffer.")
+    grad_clip: NonNegativeFloat = Field(default=1.0, description="Global gradient-norm clip; 0 disables.")
+    warmup_steps: NonNegativeInt = 0
+    schedule: Literal["constant", "cosine"] = "cosine"
+
+    @property
+    def state_bytes_per_parameter(self) -> int:
+        """fp32 optimizer state per parameter: Adam keeps m and v, SGD a momentum buffer if any."""
+        if self.name in ("adam", "adamw"):
+            return 8
+        return 4 if self.momentum > 0 else 0
+
+
+class TrainingRequest(BaseModel):
+    """The serverless interface: no GPU type, count or parallelism is named here."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | dict[str, Any] = Field(
+        description=(
+            "A preset name (see `frenzy presets`), a path or URI of an HF-style config.json, "
+            "or the config itself as a mapping."
+        ),
+    )
+    dataset: str = Field(
+        description="URI of the tokenised dataset: *.txt (UTF-8 bytes as tokens) or *.bin (uint16 token ids).",
+    )
+    global_batch: PositiveInt = Field(description="Sequences per optimizer step, over all replicas.")
+    seq_len: PositiveInt = Field(description="Tokens per sequence.")
+    steps: PositiveInt = Field(description="Optimizer steps to train.")
+    precision: Precision = "bf16"
+    optimizer: OptimizerSettings = Field(default_factory=OptimizerSettings)
+    seed: NonNegativeInt = 0
+    output: str | None = Field(
+        default=None,
+        description="URI prefix for the checkpoint and metrics; default: beside the dataset under frenzy-runs/.",
+    )
+    log_every: PositiveInt = Field(default=10, description="Log the loss every this many steps.")

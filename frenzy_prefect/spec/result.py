@@ -1,0 +1,41 @@
+"""What a training run produced, and the report a pipeline gets back."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from frenzy_prefect.spec.plan import Allocation
+
+
+class TrainingResult(BaseModel):
+    """Written by rank 0 as metrics.json beside the checkpoint, once the checkpoint is complete."""
+
+    model_config = ConfigDict(frozen=True)
+
+    steps: int
+    losses: list[float] = Field(description="Mean training loss per optimizer step, over all ranks.")
+    checkpoint: str
+    world_size: int
+    backend: str
+    wall_s: float
+    tokens_per_s: float
+
+
+class TrainingReport(BaseModel):
+    """The whole `train_llm` run in one object (also written as report.json)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    model: str
+    parameters: int
+    allocation: Allocation
+    result: TrainingResult
+    training_flow_run: str
+
+    @property
+    def loss_start(self) -> float:
+        return self.result.losses[0]
+
+    @property
+    def loss_end(self) -> float:
+        return self.result.losses[-1]

@@ -1,0 +1,164 @@
+"""Prefect tasks: thin wrappers over the core, each leaving what it decided in the Prefect UI."""
+
+from __future__ import annotations
+
+import json
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.deployments import run_deployment
+from prefect.logging import get_run_logger
+
+from frenzy_prefect import allocator
+from frenzy_prefect.blocks import FrenzyCluster
+from frenzy_prefect.errors import FrenzyError
+from frenzy_prefect.profiling.dataset import DatasetInfo
+from frenzy_prefect.profiling.dataset import profile_dataset as _profile_dataset
+from frenzy_prefect.profiling.model import resolve_model
+from frenzy_prefect.spec.cluster import ClusterState
+from frenzy_prefect.spec.model import ModelSpec
+from frenzy_prefect.spec.plan import Allocation, MemoryBreakdown, PlanCandidate, TrainingJob
+from frenzy_prefect.spec.request import TrainingRequest
+from frenzy_prefect.spec.result import TrainingReport, TrainingResult
+from frenzy_prefect.storage import open_uri
+
+GIB = 1024**3
+ARTIFACT_ROWS = 25
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.3f}"
+
+
+def _breakdown_row(b: MemoryBreakdown) -> dict[str, str]:
+    return {
+        "params GiB": _gib(b.params),
+        "grads GiB": _gib(b.grads),
+        "optimizer GiB": _gib(b.optimizer),
+        "activations GiB": _gib(b.activations),
+        "other GiB": _gib(b.other),
+        "peak GiB": _gib(b.total),
+    }
+
+
+@task
+def profile_model(request: TrainingRequest) -> ModelSpec:
+    spec = resolve_model(request.model)
+    if request.seq_len > spec.max_seq_len:
+        raise FrenzyError(f"seq_len ({request.seq_len}) exceeds the model's max_seq_len ({spec.max_seq_len})")
+    get_run_logger().info(f"Model {spec.name}: {spec.parameters:,} parameters, {spec.layers} layers, hidden {spec.hidden}")
+    return spec
+
+
+@task
+def profile_dataset(request: TrainingRequest, model: ModelSpec) -> DatasetInfo:
+    info = _profile_dataset(request.dataset, request.seq_len, model.vocab_size)
+    get_run_logger().info(f"Dataset {info.uri}: {info.tokens:,} tokens ({info.format})")
+    return info
+
+
+@task
+def profile_cluster(cluster: str) -> ClusterState:
+    """The cluster's state now, from the FrenzyCluster block named ``cluster``."""
+    try:
+        block = FrenzyCluster.load(cluster)
+    except ValueError:
+        raise FrenzyError(
+            f"no FrenzyCluster block named {cluster!r}; create one with `frenzy cluster save FILE --name {cluster}`"
+        ) from None
+    spec = block.cluster
+    gpus = ", ".join(f"{n.name}: {n.gpu_count} x {n.gpu_type}" for n in spec.nodes)
+    get_run_logger().info(f"Cluster {spec.name}: {gpus}")
+    return ClusterState.idle(spec)
+
+
+@task
+def estimate_memory(model: ModelSpec, request: TrainingRequest, state: ClusterState) -> list[PlanCandidate]:
+    """MARP: predicted per-GPU peak memory and step time of every plan on every GPU type."""
+    candidates = allocator.candidate_plans(model, request, state.cluster)
+    fitting = sum(c.fits for c in candidates)
+    rows = [
+        {
+            "gpu": c.gpu_type,
+            "gpus": str(c.plan.gpus),
+            "plan": c.plan.label(),
+            **_breakdown_row(c.memory.peak_stage),
+            "GPU memory GiB": _gib(c.gpu_memory_bytes),
+            "fits": "yes" if c.fits else "no",
+            "step s (predicted)": f"{c.step_time_s:.4g}",
+        }
+        for c in candidates[:ARTIFACT_ROWS]
+    ]
+    create_table_artifact(
+        key="memory-estimates",
+        table=rows,
+        description=f"Predicted per-GPU peak memory: {fitting} of {len(candidates)} plans fit; first {len(rows)} in priority order.",
+    )
+    get_run_logger().info(f"{fitting} of {len(candidates)} candidate plans fit their GPU type")
+    return candidates
+
+
+@task
+def allocate(candidates: list[PlanCandidate], state: ClusterState) -> Allocation:
+    """HAS: the first plan the free GPUs can hold, bin-packed onto nodes. Nothing starts if none fits."""
+    chosen = allocator.allocate(candidates, state)
+    placed = ", ".join(f"{p.node} GPUs {p.gpus}" for p in chosen.placements)
+    create_markdown_artifact(
+        key="allocation",
+        markdown=(
+            f"## Allocation\n\n"
+            f"**{chosen.plan.gpus} x {chosen.gpu_type}**, {chosen.plan.label()}\n\n"
+            f"- placement: {placed}\n"
+            f"- predicted peak memory per GPU: {_gib(chosen.memory.peak_bytes)} GiB of {_gib(chosen.gpu_memory_bytes)} GiB\n"
+            f"- predicted step time: {chosen.step_time_s:.4g} s\n\n"
+            + "| " + " | ".join(_breakdown_row(chosen.memory.peak_stage)) + " |\n"
+            + "|" + "---|" * 6 + "\n"
+            + "| " + " | ".join(_breakdown_row(chosen.memory.peak_stage).values()) + " |\n"
+        ),
+        description="The plan and placement chosen for this run",
+    )
+    get_run_logger().info(f"Allocated {chosen.plan.gpus} x {chosen.gpu_type} ({chosen.plan.label()}) on {placed}")
+    return chosen
+
+
+@task
+def train(job: TrainingJob, deployment: str) -> tuple[TrainingResult, str]:
+    """Dispatch the job's ranks through the `frenzy` work pool and wait for them."""
+    run = run_deployment(deployment, parameters={"job": job.model_dump(mode="json")}, poll_interval=2)
+    if run.state is None or not run.state.is_completed():
+        state = run.state.name if run.state else "unknown"
+        message = run.state.message if run.state else ""
+        raise RuntimeError(f"training flow run {run.name} ended {state}: {message}")
+    with open_uri(job.metrics_uri, "r") as f:
+        return TrainingResult.model_validate_json(f.read()), str(run.id)
+
+
+@task
+def report(job: TrainingJob, result: TrainingResult, training_flow_run: str) -> TrainingReport:
+    summary = TrainingReport(
+        model=job.model.name,
+        parameters=job.model.parameters,
+        allocation=job.allocation,
+        result=result,
+        training_flow_run=training_flow_run,
+    )
+    with open_uri(f"{job.output.rstrip('/')}/report.json", "w") as f:
+        f.write(summary.model_dump_json(indent=2))
+    stride = max(1, len(result.losses) // 20)
+    curve = [{"step": str(i + 1), "loss": f"{loss:.4f}"} for i, loss in enumerate(result.losses) if i % stride == 0 or i + 1 == len(result.losses)]
+    create_table_artifact(key="loss-curve", table=curve, description="Training loss (mean over ranks)")
+    a = job.allocation
+    create_markdown_artifact(
+        key="training-report",
+        markdown=(
+            f"## {summary.model} trained\n\n"
+            f"- plan: {a.plan.gpus} x {a.gpu_type}, {a.plan.label()}\n"
+            f"- predicted peak memory per GPU: {_gib(a.memory.peak_bytes)} GiB\n"
+            f"- loss: {summary.loss_start:.4f} -> {summary.loss_end:.4f} over {result.steps} steps\n"
+            f"- throughput: {result.tokens_per_s:,.0f} tokens/s on {result.world_size} ranks ({result.backend})\n"
+            f"- checkpoint: `{result.checkpoint}`\n"
+        ),
+        description="What the run produced",
+    )
+    get_run_logger().info(json.dumps({"loss_start": summary.loss_start, "loss_end": summary.loss_end, "checkpoint": result.checkpoint}))
+    return summary
