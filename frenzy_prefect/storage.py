@@ -18,16 +18,15 @@ from fsspec import AbstractFileSystem
 from frenzy_prefect.errors import StorageUnreachable
 
 # Fail in seconds rather than hang when an endpoint is down or unroutable.
-_S3_OPTIONS: dict[str, Any] = {
-    "config_kwargs": {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 2}},
-}
+_S3_CONFIG: dict[str, Any] = {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 2}}
 
 
 def filesystem(uri: str) -> tuple[AbstractFileSystem, str]:
     """The filesystem holding ``uri`` and the path inside it (s3://, file paths, memory://, ...)."""
-    protocol = fsspec.core.split_protocol(uri)[0]
-    options = _S3_OPTIONS if protocol in ("s3", "s3a") else {}
-    return fsspec.core.url_to_fs(uri, **options)
+    if fsspec.core.split_protocol(uri)[0] not in ("s3", "s3a"):
+        return fsspec.core.url_to_fs(uri)
+    # The endpoint is passed explicitly so that cached filesystem instances follow the environment.
+    return fsspec.core.url_to_fs(uri, endpoint_url=os.environ.get("AWS_ENDPOINT_URL"), config_kwargs=_S3_CONFIG)
 
 
 def _connection_errors() -> tuple[type[BaseException], ...]:

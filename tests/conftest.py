@@ -1,0 +1,80 @@
+"""Shared fixtures: one embedded stack per session (moto S3 server, Prefect server on SQLite,
+a `frenzy` worker), each started only when a test needs it and stopped by PID at the end."""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+# Tests run against their own services, never endpoints the developer's shell points at.
+for _var in ("AWS_ENDPOINT_URL", "PREFECT_API_URL", "AWS_PROFILE"):
+    os.environ.pop(_var, None)
+
+from frenzy_prefect.localstack import LocalStack  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE_CLUSTER = ROOT / "blocks" / "local-hetero.yaml"
+BUCKET = "frenzy-tests"
+POOL = "frenzy-test"
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    with LocalStack(tmp_path_factory.mktemp("stack")) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def s3(stack: LocalStack) -> str:
+    """The moto S3 endpoint, with a bucket for the tests."""
+    endpoint = stack.start_s3()
+    from frenzy_prefect.storage import filesystem
+
+    fs, _ = filesystem(f"s3://{BUCKET}")
+    fs.mkdir(BUCKET)
+    return endpoint
+
+
+def sentences(n_bytes: int, seed: int = 0) -> bytes:
+    """Text with structure a small model learns quickly: a few hundred words, simple sentences."""
+    rng = random.Random(seed)
+    subjects = ["the cluster", "a worker", "the scheduler", "each node", "the model", "every rank"]
+    verbs = ["trains", "allocates", "places", "checkpoints", "measures", "predicts"]
+    objects = ["the batch", "two gpus", "the memory", "a plan", "the loss", "its stage"]
+    out = []
+    while sum(len(s) for s in out) < n_bytes:
+        out.append(f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)}.\n")
+    return "".join(out).encode()
+
+
+@pytest.fixture(scope="session")
+def dataset(s3: str) -> str:
+    from frenzy_prefect.storage import filesystem
+
+    uri = f"s3://{BUCKET}/data/sentences.txt"
+    fs, path = filesystem(uri)
+    fs.pipe_file(path, sentences(64_000))
+    return uri
+
+
+@pytest.fixture(scope="session")
+def prefect_api(stack: LocalStack) -> str:
+    return stack.start_prefect()
+
+
+@pytest.fixture(scope="session")
+def worker_pool(stack: LocalStack, s3: str, prefect_api: str) -> str:
+    """A `frenzy` pool created with the CLI, its worker process, the example cluster block and
+    the package's deployments."""
+    stack.start_worker(POOL)
+    with stack.client_settings():
+        from frenzy_prefect.blocks import FrenzyCluster
+        from frenzy_prefect.deployments import deploy_flows
+
+        FrenzyCluster.from_file(EXAMPLE_CLUSTER).save("local-hetero", overwrite=True)
+        deploy_flows(POOL)
+    return POOL

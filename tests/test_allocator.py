@@ -1,0 +1,106 @@
+"""HAS on the example cluster and on generated ones: it picks a type that fits and is fast,
+never places more GPUs than a node has free, and says why when nothing fits."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from frenzy_prefect import allocator
+from frenzy_prefect.allocator.placement import place
+from frenzy_prefect.errors import ClusterBusy, NoFeasiblePlan
+from frenzy_prefect.profiling.model import PRESETS
+from frenzy_prefect.spec.cluster import ClusterSpec, ClusterState, Node
+from frenzy_prefect.spec.request import TrainingRequest
+
+from .conftest import EXAMPLE_CLUSTER
+
+CLUSTER = ClusterSpec.from_file(EXAMPLE_CLUSTER)
+
+
+def _allocate(model="gpt-nano", state=None, **request):
+    req = TrainingRequest(model=model, dataset="s3://b/d.txt", steps=1, **({"global_batch": 32, "seq_len": 128, "precision": "fp32"} | request))
+    cands = allocator.candidate_plans(PRESETS[model], req, CLUSTER)
+    return allocator.allocate(cands, state or ClusterState.idle(CLUSTER)), cands
+
+
+def test_the_faster_type_wins_and_is_placed_on_one_node():
+    chosen, _ = _allocate()
+    assert chosen.gpu_type == "A10"  # 31.2 fp32 TFLOPS against the T4's 8.1
+    assert chosen.plan.gpus == 2 and [p.node for p in chosen.placements] == ["a10-node"]
+    assert chosen.memory.peak_bytes <= chosen.gpu_memory_bytes
+
+
+def test_bf16_excludes_types_without_bf16():
+    _, cands = _allocate(precision="bf16")
+    assert {c.gpu_type for c in cands} == {"A10"}
+
+
+def test_busy_fast_type_falls_back_to_the_other_type():
+    state = ClusterState(cluster=CLUSTER, free_gpus={"a10-node": [], "t4-node": [0, 1]})
+    chosen, _ = _allocate(state=state)
+    assert chosen.gpu_type == "T4" and chosen.placements[0].node == "t4-node"
+
+
+def test_no_free_gpus_is_busy_not_infeasible():
+    state = ClusterState(cluster=CLUSTER, free_gpus={"a10-node": [], "t4-node": []})
+    with pytest.raises(ClusterBusy, match="not its free GPUs now; the smallest needs 1 x"):
+        _allocate(state=state)
+
+
+def test_a_job_no_gpu_can_hold_names_the_smallest_need_and_the_largest_gpu():
+    with pytest.raises(NoFeasiblePlan) as exc:
+        _allocate(model="gpt3-13b", global_batch=8, seq_len=2048)
+    message = str(exc.value)
+    assert "the smallest per-GPU requirement found is" in message
+    assert "the largest GPU available is A10 with 22.49 GiB (node a10-node)" in message
+
+
+def test_every_ranked_candidate_that_fits_comes_before_any_that_does_not():
+    _, cands = _allocate(model="gpt2-small", global_batch=64, seq_len=1024)
+    fits = [c.fits for c in cands]
+    assert fits == sorted(fits, reverse=True) and any(fits) and not all(fits)
+
+
+def _node(name, count):
+    return Node(name=name, host="127.0.0.1", gpu_type="A10", gpu_count=count)
+
+
+def test_placement_prefers_an_exact_fit_then_the_tightest_fit():
+    nodes = [(_node("big", 8), list(range(8))), (_node("exact", 4), [0, 1, 2, 3]), (_node("snug", 6), [1, 2, 3, 4, 5])]
+    assert [p.node for p in place(4, nodes)] == ["exact"]
+    assert place(5, nodes)[0].node == "snug" and place(5, nodes)[0].gpus == [1, 2, 3, 4, 5]
+    assert place(3, nodes[:1] + nodes[2:])[0].node == "snug"
+
+
+def test_placement_splits_greedily_when_no_node_fits():
+    nodes = [(_node("a", 4), [0, 1]), (_node("b", 4), [0, 1, 2]), (_node("c", 4), [3])]
+    placed = place(5, nodes)
+    assert [(p.node, p.gpus) for p in placed] == [("b", [0, 1, 2]), ("a", [0, 1])]
+
+
+def test_tensor_parallel_groups_stay_inside_a_node():
+    nodes = [(_node("a", 4), [0, 1, 2]), (_node("b", 4), [0, 1, 2])]
+    placed = place(4, nodes, group=2)
+    assert all(len(p.gpus) % 2 == 0 for p in placed) and sum(len(p.gpus) for p in placed) == 4
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    free=st.lists(st.lists(st.integers(0, 7), unique=True, max_size=8), min_size=1, max_size=6),
+    groups=st.integers(1, 12),
+    group=st.sampled_from([1, 2, 4]),
+)
+def test_placement_never_over_books_a_node(free, groups, group):
+    gpus = groups * group  # a plan's GPU count is a multiple of its tensor-parallel degree
+    nodes = [(_node(f"n{i}", 8), sorted(idx)) for i, idx in enumerate(free)]
+    placed = place(gpus, nodes, group=group)
+    usable = sum(len(idx) // group * group for _, idx in nodes)
+    if placed is None:
+        assert usable < gpus
+        return
+    assert all(len(p.gpus) % group == 0 for p in placed)
+    assert sum(len(p.gpus) for p in placed) == gpus
+    assert len({p.node for p in placed}) == len(placed)
+    by_name = {n.name: idx for n, idx in nodes}
+    for p in placed:
+        assert set(p.gpus) <= set(by_name[p.node]) and len(set(p.gpus)) == len(p.gpus)

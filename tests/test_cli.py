@@ -1,0 +1,52 @@
+"""The `frenzy` command line: the estimate JSON contract, and one clear line for bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import EXAMPLE_CLUSTER
+
+
+def frenzy(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "frenzy_prefect.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_estimate_json_has_the_contracted_schema():
+    out = frenzy("estimate", "gpt2-small", "--dp", "2", "--pp", "2", "--micro-batch", "2", "--global-batch", "16",
+                 "--seq-len", "512", "--zero", "1", "--recompute", "selective", "--precision", "bf16", "--gpu", "A100-80GB", "--json")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert [r["rank"] for r in data["per_rank"]] == [0, 1, 2, 3]
+    assert [r["stage"] for r in data["per_rank"]] == [0, 0, 1, 1]
+    for r in data["per_rank"]:
+        assert set(r["breakdown"]) == {"params", "grads", "optimizer", "activations", "other"}
+        assert r["peak_bytes"] == sum(r["breakdown"].values())
+    assert data["peak_bytes"] == max(r["peak_bytes"] for r in data["per_rank"])
+
+
+def test_plan_json_chooses_a_placement_on_the_example_cluster():
+    out = frenzy("plan", "gpt-nano", "--global-batch", "32", "--seq-len", "128", "--cluster", str(EXAMPLE_CLUSTER), "--precision", "fp32", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["chosen"]["gpu_type"] == "A10" and data["plans"][0]["gpu_type"] == "A10"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["estimate", "gpt2-small", "--tp", "5"], "tp (5) must divide heads (12) and hidden (768); accepted: [1, 2, 3, 4, 6, 12]"),
+        (["estimate", "gpt2-small", "--pp", "13"], "pp (13) must not exceed the number of layers (12)"),
+        (["estimate", "gpt2-small", "--dp", "2", "--micro-batch", "2", "--global-batch", "6"], "global_batch (6) must be divisible by dp * micro_batch"),
+        (["estimate", "gpt2-small", "--gpu", "X100"], "unknown GPU type 'X100'; known: H200"),
+        (["estimate", "gpt2-small", "--micro-batch", "0"], "micro_batch: Input should be greater than 0 (got 0)"),
+        (["estimate", "gpt2-small", "--zero", "4"], "zero: Input should be 0, 1, 2 or 3 (got 4)"),
+        (["plan", "gpt3-13b", "--global-batch", "8", "--seq-len", "2048", "--cluster", str(EXAMPLE_CLUSTER)], "the largest GPU available is A10"),
+        (["plan", "gpt-nano", "--global-batch", "8", "--seq-len", "64", "--cluster", "nope.yaml"], "cluster file nope.yaml does not exist"),
+    ],
+)
+def test_bad_input_is_one_line_on_stderr_and_a_nonzero_exit(args, message):
+    out = frenzy(*args)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith("error: ") and message in out.stderr

@@ -1,0 +1,116 @@
+"""`train_llm` end to end: a real Prefect server (SQLite), a `frenzy` pool created with the CLI
+and its worker process, moto's S3 server, and multi-process gloo training. Three runs go in at
+once: one that trains, one no GPU can hold, one whose dataset does not exist."""
+
+from __future__ import annotations
+
+import json
+import time
+from uuid import UUID
+
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    FlowRunFilter,
+    FlowRunFilterParentFlowRunId,
+    LogFilter,
+    LogFilterFlowRunId,
+)
+from prefect.client.schemas.objects import FlowRun
+
+from frenzy_prefect.flows import default_output
+from frenzy_prefect.spec.result import TrainingReport
+from frenzy_prefect.storage import exists, open_uri
+
+from .conftest import BUCKET
+
+pytestmark = pytest.mark.e2e
+
+GOOD = {"model": "gpt-nano", "global_batch": 32, "seq_len": 64, "steps": 30, "precision": "fp32"}
+
+
+@pytest.fixture(scope="module")
+def runs(stack, worker_pool, dataset) -> dict[str, FlowRun]:
+    requests = {
+        "good": GOOD | {"dataset": dataset},
+        "too-big": GOOD | {"dataset": dataset, "model": "gpt3-13b", "seq_len": 2048, "global_batch": 8},
+        "no-data": GOOD | {"dataset": f"s3://{BUCKET}/data/never-uploaded.txt"},
+    }
+    with stack.client_settings():
+        from prefect.deployments import run_deployment
+
+        ids = {
+            name: run_deployment("train-llm/frenzy", parameters={"request": req, "cluster": "local-hetero"}, timeout=0).id
+            for name, req in requests.items()
+        }
+        return {name: wait_final(run_id) for name, run_id in ids.items()}
+
+
+def wait_final(run_id: UUID, timeout_s: float = 420) -> FlowRun:
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as client:
+        while time.monotonic() < deadline:
+            run = client.read_flow_run(run_id)
+            if run.state is not None and run.state.is_final():
+                return run
+            time.sleep(1)
+    raise AssertionError(f"flow run {run_id} did not finish in {timeout_s} s")
+
+
+def children(stack, run: FlowRun) -> list[FlowRun]:
+    with stack.client_settings(), get_client(sync_client=True) as client:
+        return client.read_flow_runs(flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id])))
+
+
+def test_the_pool_was_created_by_the_cli_with_the_frenzy_type(stack, worker_pool):
+    with stack.client_settings(), get_client(sync_client=True) as client:
+        pool = client.read_work_pool(worker_pool)
+    assert pool.type == "frenzy" and "working_dir" in pool.base_job_template["variables"]["properties"]
+
+
+def test_a_request_is_trained_on_the_chosen_gpus_through_the_worker(stack, runs, dataset):
+    run = runs["good"]
+    assert run.state.is_completed(), run.state.message
+    (training,) = children(stack, run)
+    assert training.state.is_completed() and training.work_pool_name == "frenzy-test"
+
+    with open_uri(f"{default_output(dataset, run.name)}/report.json", "r") as f:
+        report = TrainingReport.model_validate_json(f.read())
+    a = report.allocation
+    assert (a.gpu_type, a.plan.gpus, [p.node for p in a.placements]) == ("A10", 2, ["a10-node"])
+    assert report.result.world_size == 2 and report.training_flow_run == str(training.id)
+    assert report.loss_end < report.loss_start - 1.0
+    assert exists(report.result.checkpoint)
+
+    with stack.client_settings(), get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])))
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[training.id])))
+    assert {"memory-estimates", "allocation", "loss-curve", "training-report"} <= {x.key for x in artifacts}
+    progress = [log.message for log in logs if log.message.startswith("step ")]
+    assert progress[0].startswith("step 1/30 loss") and progress[-1].startswith("step 30/30 loss")
+
+
+def test_a_job_no_gpu_can_hold_fails_in_allocate_before_any_process_starts(stack, runs):
+    run = runs["too-big"]
+    assert run.state.is_failed()
+    assert "the smallest per-GPU requirement found is" in run.state.message
+    assert "the largest GPU available is A10" in run.state.message
+    assert children(stack, run) == []
+    with stack.client_settings(), get_client(sync_client=True) as client:
+        tasks = {t.name.rsplit("-", 1)[0]: t.state.type.value for t in client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [run.id]}))}
+    assert tasks["allocate"] == "FAILED" and "train" not in tasks
+
+
+def test_a_missing_dataset_fails_in_profiling_naming_the_uri(stack, runs):
+    run = runs["no-data"]
+    assert run.state.is_failed()
+    assert f"dataset s3://{BUCKET}/data/never-uploaded.txt does not exist" in run.state.message
+    assert children(stack, run) == []
+
+
+def test_reports_are_json_a_pipeline_can_read(runs, dataset):
+    with open_uri(f"{default_output(dataset, runs['good'].name)}/report.json", "r") as f:
+        data = json.load(f)
+    assert {"model", "parameters", "allocation", "result", "training_flow_run"} <= set(data)

@@ -1,0 +1,120 @@
+"""Requests, model specs, cluster files: invalid values fail at the boundary, naming the field."""
+
+import json
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from frenzy_prefect.errors import FrenzyError, describe_validation_error
+from frenzy_prefect.profiling.model import PRESETS, from_hf_config, resolve_model
+from frenzy_prefect.spec.cluster import ClusterSpec
+from frenzy_prefect.spec.model import ModelSpec
+from frenzy_prefect.spec.request import TrainingRequest
+from frenzy_prefect.training.gpt import GPT
+
+from .conftest import EXAMPLE_CLUSTER
+
+
+def _request(**overrides):
+    fields = dict(model="gpt-nano", dataset="s3://b/d.txt", global_batch=8, seq_len=64, steps=3) | overrides
+    return TrainingRequest(**fields)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("global_batch", 0, "global_batch: Input should be greater than 0 (got 0)"),
+        ("seq_len", -5, "seq_len: Input should be greater than 0 (got -5)"),
+        ("precision", "fp8", "precision: Input should be 'fp32', 'bf16' or 'fp16' (got 'fp8')"),
+        ("surprise", 1, "surprise: Extra inputs are not permitted (got 1)"),
+    ],
+)
+def test_bad_request_fields_are_named_with_what_is_accepted(field, value, expected):
+    with pytest.raises(ValidationError) as exc:
+        _request(**{field: value})
+    assert describe_validation_error(exc.value) == expected
+
+
+def test_optimizer_settings_are_validated_too():
+    with pytest.raises(ValidationError) as exc:
+        _request(optimizer={"name": "lamb"})
+    assert describe_validation_error(exc.value).startswith("optimizer.name: Input should be 'adamw', 'adam' or 'sgd'")
+
+
+@pytest.mark.parametrize("name", ["gpt-nano", "gpt-micro", "gpt2-small", "gpt2-medium"])
+def test_spec_parameter_count_is_the_torch_models(name):
+    spec = PRESETS[name]
+    with torch.device("meta"):
+        model = GPT(spec)
+    assert sum(p.numel() for p in model.parameters()) == spec.parameters
+
+
+def test_gpt2_small_has_its_published_parameter_count():
+    assert PRESETS["gpt2-small"].parameters == 124_439_808
+
+
+def test_hf_configs_of_both_naming_styles_map_onto_the_spec():
+    gpt2 = from_hf_config({"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 300, "n_positions": 128, "model_type": "gpt2"})
+    generic = from_hf_config(
+        {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 300,
+         "max_position_embeddings": 128, "intermediate_size": 200, "tie_word_embeddings": False}
+    )  # fmt: skip
+    assert (gpt2.layers, gpt2.hidden, gpt2.heads, gpt2.ffn_hidden, gpt2.tied_embeddings) == (2, 64, 4, 256, True)
+    assert (generic.ffn_hidden, generic.tied_embeddings) == (200, False)
+    with torch.device("meta"):
+        assert sum(p.numel() for p in GPT(generic).parameters()) == generic.parameters
+
+
+def test_config_json_path_resolves(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"n_layer": 3, "n_embd": 96, "n_head": 3, "vocab_size": 256, "n_positions": 64}))
+    assert resolve_model(str(path)).layers == 3
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ("gpt-9000", "neither a preset (gpt-nano"),
+        ({"n_layer": 2, "n_embd": 64, "n_head": 4}, "lacks vocab_size"),
+        ({"n_layer": 2, "n_embd": 64, "n_head": 5, "vocab_size": 9, "n_positions": 8}, "hidden (64) must be divisible by heads (5)"),
+        ({"n_layer": 0, "n_embd": 64, "n_head": 4, "vocab_size": 9, "n_positions": 8}, "layers: Input should be greater than 0"),
+        ("/nonexistent/config.json", "model config /nonexistent/config.json does not exist"),
+    ],
+)
+def test_bad_models_say_what_is_wrong(model, message):
+    with pytest.raises(FrenzyError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        resolve_model(model)
+
+
+def test_example_cluster_is_heterogeneous():
+    cluster = ClusterSpec.from_file(EXAMPLE_CLUSTER)
+    assert len(cluster.nodes) >= 2
+    assert len({n.gpu_type for n in cluster.nodes}) >= 2
+    assert all(n.host == "127.0.0.1" for n in cluster.nodes)
+
+
+def test_cluster_files_reject_unknown_types_and_duplicate_nodes(tmp_path):
+    bad_type = tmp_path / "a.yaml"
+    bad_type.write_text("nodes:\n  - {name: n1, host: h, gpu_type: X9000, gpu_count: 2}\n")
+    with pytest.raises(ValidationError, match="unknown gpu_type 'X9000'; known types: .*A10"):
+        ClusterSpec.from_file(bad_type)
+    dupes = tmp_path / "b.yaml"
+    dupes.write_text("nodes:\n  - {name: n1, host: h, gpu_type: T4, gpu_count: 1}\n  - {name: n1, host: h, gpu_type: T4, gpu_count: 1}\n")
+    with pytest.raises(ValidationError, match="node names must be unique; repeated: n1"):
+        ClusterSpec.from_file(dupes)
+
+
+def test_cluster_can_declare_gpu_types_the_catalog_lacks(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "gpu_types:\n  G1: {name: G1, memory_bytes: 34359738368, half_tflops: 100, fp32_tflops: 20, link_gbps: 32}\n"
+        "nodes:\n  - {name: n1, host: h, gpu_type: G1, gpu_count: 8}\n"
+    )
+    cluster = ClusterSpec.from_file(path)
+    assert cluster.gpu_of(cluster.nodes[0]).memory_bytes == 32 * 1024**3
+
+
+def test_model_spec_rejects_bad_shapes():
+    with pytest.raises(ValidationError, match="hidden"):
+        ModelSpec(name="x", layers=1, hidden=10, heads=3, vocab_size=5, max_seq_len=4)
