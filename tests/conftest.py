@@ -19,7 +19,7 @@ from frenzy_prefect.localstack import LocalStack  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE_CLUSTER = ROOT / "blocks" / "local-hetero.yaml"
 BUCKET = "frenzy-tests"
-POOL = "frenzy-test"
+POOL = "frenzy"  # the pool flows/prefect.yaml deploys to
 
 
 @pytest.fixture(scope="session")
@@ -68,13 +68,10 @@ def prefect_api(stack: LocalStack) -> str:
 
 @pytest.fixture(scope="session")
 def worker_pool(stack: LocalStack, s3: str, prefect_api: str) -> str:
-    """A `frenzy` pool created with the CLI, its worker process, the example cluster block and
-    the package's deployments."""
+    """What a user sets up by hand: the example cluster block (`frenzy cluster save`), a `frenzy`
+    pool (`prefect work-pool create`) with a worker process, and the deployments of
+    flows/prefect.yaml (`prefect deploy --all`)."""
+    stack.run_cli("frenzy_prefect.cli", "cluster", "save", str(EXAMPLE_CLUSTER))
     stack.start_worker(POOL)
-    with stack.client_settings():
-        from frenzy_prefect.blocks import FrenzyCluster
-        from frenzy_prefect.deployments import deploy_flows
-
-        FrenzyCluster.from_file(EXAMPLE_CLUSTER).save("local-hetero", overwrite=True)
-        deploy_flows(POOL)
+    stack.run_cli("prefect", "--no-prompt", "deploy", "--all", "--prefect-file", str(ROOT / "flows" / "prefect.yaml"))
     return POOL

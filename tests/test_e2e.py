@@ -70,11 +70,11 @@ def test_the_pool_was_created_by_the_cli_with_the_frenzy_type(stack, worker_pool
     assert pool.type == "frenzy" and "working_dir" in pool.base_job_template["variables"]["properties"]
 
 
-def test_a_request_is_trained_on_the_chosen_gpus_through_the_worker(stack, runs, dataset):
+def test_a_request_is_trained_on_the_chosen_gpus_through_the_worker(stack, runs, dataset, worker_pool):
     run = runs["good"]
     assert run.state.is_completed(), run.state.message
     (training,) = children(stack, run)
-    assert training.state.is_completed() and training.work_pool_name == "frenzy-test"
+    assert training.state.is_completed() and training.work_pool_name == worker_pool
 
     with open_uri(f"{default_output(dataset, run.name)}/report.json", "r") as f:
         report = TrainingReport.model_validate_json(f.read())
@@ -108,6 +108,14 @@ def test_a_missing_dataset_fails_in_profiling_naming_the_uri(stack, runs):
     assert run.state.is_failed()
     assert f"dataset s3://{BUCKET}/data/never-uploaded.txt does not exist" in run.state.message
     assert children(stack, run) == []
+
+
+def test_frenzy_deploy_creates_the_same_deployments(stack, worker_pool):
+    out = stack.run_cli("frenzy_prefect.cli", "deploy", "--pool", worker_pool)
+    assert "deployed train-llm/frenzy and distributed-train/frenzy" in out
+    with stack.client_settings(), get_client(sync_client=True) as client:
+        entrypoints = sorted(d.entrypoint for d in client.read_deployments())
+    assert entrypoints == ["frenzy_prefect.flows.distributed_train", "frenzy_prefect.flows.train_llm"]
 
 
 def test_reports_are_json_a_pipeline_can_read(runs, dataset):
