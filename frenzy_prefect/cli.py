@@ -13,6 +13,7 @@ import typer
 from pydantic import ValidationError
 
 from frenzy_prefect.errors import FrenzyError, describe_validation_error
+from frenzy_prefect.spec.plan import MemoryEstimate, ParallelPlan
 
 app = typer.Typer(help="Memory-aware LLM training on heterogeneous GPU clusters.", no_args_is_help=True, pretty_exceptions_enable=False)
 cluster_app = typer.Typer(help="Cluster inventories (FrenzyCluster blocks).", no_args_is_help=True)
@@ -54,7 +55,7 @@ def _guarded(fn):
         _fail(str(exc))
 
 
-def memory_json(estimate: Any, plan: Any) -> dict[str, Any]:
+def memory_json(estimate: MemoryEstimate, plan: ParallelPlan) -> dict[str, Any]:
     """The estimate/measure schema: peak over ranks, then every rank with its stage's breakdown."""
     per_rank = []
     for rank in range(plan.gpus):
@@ -91,7 +92,6 @@ def estimate(
     from frenzy_prefect.memory import estimate as predict
     from frenzy_prefect.profiling.model import resolve_model
     from frenzy_prefect.spec.catalog import GPU_CATALOG
-    from frenzy_prefect.spec.plan import ParallelPlan
     from frenzy_prefect.spec.request import OptimizerSettings
 
     def body() -> None:

@@ -18,7 +18,8 @@ TRAINING_DEPLOYMENT = "distributed-train/frenzy"
 
 def default_output(dataset: str, run_name: str) -> str:
     """Beside the dataset: <dataset dir>/frenzy-runs/<flow run name>."""
-    return f"{dataset.rsplit('/', 1)[0]}/frenzy-runs/{run_name}"
+    folder = dataset.rsplit("/", 1)[0] if "/" in dataset else "."
+    return f"{folder}/frenzy-runs/{run_name}"
 
 
 @flow(name="train-llm")

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -49,7 +49,7 @@ class LocalStack:
     def _log_tail(self, name: str, lines: int = 15) -> str:
         return "\n".join((self.logs / f"{name}.log").read_text(errors="replace").splitlines()[-lines:])
 
-    def _wait_until(self, name: str, ready, timeout_s: float) -> None:
+    def _wait_until(self, name: str, ready: Callable[[], bool], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             proc = self.processes.get(name)
@@ -66,13 +66,14 @@ class LocalStack:
     def stop(self) -> None:
         """Stop what this stack started, newest first: SIGTERM, then SIGKILL after 10 s."""
         for name, proc in reversed(list(self.processes.items())):
-            if proc.poll() is None:
+            try:
                 os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+                proc.wait(timeout=10)
+            except ProcessLookupError:
+                pass
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
         self.processes.clear()
 
     def __enter__(self) -> "LocalStack":

@@ -1,6 +1,7 @@
 """`train_llm` end to end: a real Prefect server (SQLite), a `frenzy` pool created with the CLI
 and its worker process, moto's S3 server, and multi-process gloo training. Three runs go in at
-once: one that trains, one no GPU can hold, one whose dataset does not exist."""
+once: one that trains, one no GPU can hold, one whose dataset does not exist, one naming a
+cluster that was never saved."""
 
 from __future__ import annotations
 
@@ -37,12 +38,17 @@ def runs(stack, worker_pool, dataset) -> dict[str, FlowRun]:
         "good": GOOD | {"dataset": dataset},
         "too-big": GOOD | {"dataset": dataset, "model": "gpt3-13b", "seq_len": 2048, "global_batch": 8},
         "no-data": GOOD | {"dataset": f"s3://{BUCKET}/data/never-uploaded.txt"},
+        "no-cluster": GOOD | {"dataset": dataset},
     }
     with stack.client_settings():
         from prefect.deployments import run_deployment
 
         ids = {
-            name: run_deployment("train-llm/frenzy", parameters={"request": req, "cluster": "local-hetero"}, timeout=0).id
+            name: run_deployment(
+                "train-llm/frenzy",
+                parameters={"request": req, "cluster": "never-saved" if name == "no-cluster" else "local-hetero"},
+                timeout=0,
+            ).id
             for name, req in requests.items()
         }
         return {name: wait_final(run_id) for name, run_id in ids.items()}
@@ -107,6 +113,13 @@ def test_a_missing_dataset_fails_in_profiling_naming_the_uri(stack, runs):
     run = runs["no-data"]
     assert run.state.is_failed()
     assert f"dataset s3://{BUCKET}/data/never-uploaded.txt does not exist" in run.state.message
+    assert children(stack, run) == []
+
+
+def test_an_unknown_cluster_block_says_how_to_create_one(stack, runs):
+    run = runs["no-cluster"]
+    assert run.state.is_failed()
+    assert "no FrenzyCluster block named 'never-saved'; create one with `frenzy cluster save FILE --name never-saved`" in run.state.message
     assert children(stack, run) == []
 
 

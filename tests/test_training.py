@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from frenzy_prefect.launch.local import _alive, start_local
+from frenzy_prefect.launch.local import is_running, start_local
 from frenzy_prefect.launch.torchrun import rank_launches
 from frenzy_prefect.memory import estimate
 from frenzy_prefect.profiling.model import PRESETS
@@ -69,7 +69,7 @@ def test_a_failing_rank_stops_the_whole_job_and_writes_nothing(s3):
                    [Placement(node="n0", host="127.0.0.1", gpus=[0, 1])])  # fmt: skip
     code, pids = launch(job)
     assert code != 0
-    assert not any(_alive(p) for p in pids)
+    assert not any(is_running(p) for p in pids)
     assert not exists(job.metrics_uri) and not exists(job.checkpoint_uri)
 
 

@@ -10,7 +10,7 @@ from prefect.workers.base import BaseWorker
 
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.launch.command import Launch
-from frenzy_prefect.launch.local import _alive, start_local
+from frenzy_prefect.launch.local import is_running, start_local
 from frenzy_prefect.spec.plan import ParallelPlan, Placement
 from frenzy_prefect.training.entry import JOB_ENV
 from frenzy_prefect.worker import FrenzyJobConfiguration, FrenzyWorker
@@ -66,4 +66,4 @@ def test_kill_infrastructure_stops_every_process_of_the_run():
         return group.pids, await group.wait()
 
     pids, code = asyncio.run(scenario())
-    assert code != 0 and not any(_alive(p) for p in pids)
+    assert code != 0 and not any(is_running(p) for p in pids)

@@ -33,14 +33,7 @@ def allocate(candidates: list[PlanCandidate], state: ClusterState) -> Allocation
         free = [(n, state.free_gpus.get(n.name, [])) for n in cluster.nodes if n.gpu_type == c.gpu_type]
         placements = place(c.plan.gpus, free, group=c.plan.tp)
         if placements:
-            return Allocation(
-                gpu_type=c.gpu_type,
-                plan=c.plan,
-                memory=c.memory,
-                gpu_memory_bytes=c.gpu_memory_bytes,
-                step_time_s=c.step_time_s,
-                placements=placements,
-            )
+            return Allocation(**dict(c), placements=placements)
     fewest = min(feasible, key=lambda c: c.plan.gpus)
     raise ClusterBusy(
         f"{len(feasible)} plans fit cluster {cluster.name!r}, but not its free GPUs now; the smallest needs "

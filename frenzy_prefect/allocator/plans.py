@@ -48,6 +48,7 @@ def engine_plans(global_batch: int, max_gpus: int) -> Iterator[ParallelPlan]:
 def candidate_plans(model: ModelSpec, request: TrainingRequest, cluster: ClusterSpec) -> list[PlanCandidate]:
     """All candidates, fitting ones first, each group by predicted step time, then fewer GPUs,
     fewer accumulation steps, no recomputation."""
+    workload = {"global_batch": request.global_batch, "seq_len": request.seq_len, "precision": request.precision}
     out: list[PlanCandidate] = []
     for name, (gpu, total, largest) in gpu_kinds(cluster).items():
         if request.precision == "bf16" and not gpu.supports_bf16:
@@ -59,24 +60,10 @@ def candidate_plans(model: ModelSpec, request: TrainingRequest, cluster: Cluster
                     gpu_type=name,
                     plan=plan,
                     memory=estimate(
-                        model,
-                        plan,
-                        global_batch=request.global_batch,
-                        seq_len=request.seq_len,
-                        precision=request.precision,
-                        optimizer_bytes_per_param=request.optimizer.state_bytes_per_parameter,
-                        gpu=gpu,
+                        model, plan, **workload, optimizer_bytes_per_param=request.optimizer.state_bytes_per_parameter, gpu=gpu
                     ),
                     gpu_memory_bytes=gpu.memory_bytes,
-                    step_time_s=step_time_s(
-                        model,
-                        plan,
-                        global_batch=request.global_batch,
-                        seq_len=request.seq_len,
-                        precision=request.precision,
-                        gpu=gpu,
-                        link_gbps=link,
-                    ),
+                    step_time_s=step_time_s(model, plan, **workload, gpu=gpu, link_gbps=link),
                 )
             )
     out.sort(

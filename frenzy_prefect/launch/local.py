@@ -20,7 +20,8 @@ def is_local(host: str) -> bool:
     return host in {"127.0.0.1", "localhost", "::1", socket.gethostname(), socket.getfqdn()}
 
 
-def _alive(pid: int) -> bool:
+def is_running(pid: int) -> bool:
+    """Whether any process of the group ``pid`` leads is still alive."""
     try:
         os.killpg(pid, 0)
     except ProcessLookupError:
@@ -42,7 +43,7 @@ async def stop_process_groups(pids: list[int], grace_s: float) -> None:
     for pid in pids:
         _signal(pid, signal.SIGTERM)
     deadline = asyncio.get_running_loop().time() + grace_s
-    while any(_alive(p) for p in pids) and asyncio.get_running_loop().time() < deadline:
+    while any(is_running(p) for p in pids) and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.1)
     for pid in pids:
         _signal(pid, signal.SIGKILL)

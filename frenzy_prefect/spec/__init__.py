@@ -12,6 +12,7 @@ from frenzy_prefect.spec.plan import (
     TrainingJob,
 )
 from frenzy_prefect.spec.request import OptimizerSettings, TrainingRequest
+from frenzy_prefect.spec.result import TrainingReport, TrainingResult
 
 __all__ = [
     "Allocation",
@@ -27,5 +28,7 @@ __all__ = [
     "PlanCandidate",
     "Placement",
     "TrainingJob",
+    "TrainingReport",
     "TrainingRequest",
+    "TrainingResult",
 ]

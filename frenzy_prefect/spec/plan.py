@@ -103,16 +103,9 @@ class Placement(BaseModel):
     gpus: list[NonNegativeInt] = Field(min_length=1)
 
 
-class Allocation(BaseModel):
-    """The allocator's decision: a plan on a GPU type, placed on nodes."""
+class Allocation(PlanCandidate):
+    """The allocator's decision: a candidate plan, placed on nodes."""
 
-    model_config = ConfigDict(frozen=True)
-
-    gpu_type: str
-    plan: ParallelPlan
-    memory: MemoryEstimate
-    gpu_memory_bytes: PositiveInt
-    step_time_s: PositiveFloat
     placements: list[Placement] = Field(min_length=1)
 
     @model_validator(mode="after")
