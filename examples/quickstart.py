@@ -76,6 +76,7 @@ def main() -> int:
             from frenzy_prefect.spec.request import TrainingRequest
             from frenzy_prefect.spec.result import TrainingReport
             from frenzy_prefect.storage import open_uri
+            from frenzy_prefect.units import gib
 
             FrenzyCluster.from_file(ROOT / "blocks" / "local-hetero.yaml").save("local-hetero", overwrite=True)
             stack.start_worker("frenzy")
@@ -107,7 +108,7 @@ def main() -> int:
         print(f"Model:          {report.model}, {report.parameters:,} parameters")
         print(f"Chosen plan:    {a.plan.gpus} x {a.gpu_type}, {a.plan.label()}")
         print(f"Placement:      {placed}")
-        print(f"Predicted peak: {a.memory.peak_bytes / 2**30:.3f} GiB per GPU (of {a.gpu_memory_bytes / 2**30:.1f} GiB)")
+        print(f"Predicted peak: {gib(a.memory.peak_bytes)} GiB per GPU (of {gib(a.gpu_memory_bytes, 1)} GiB)")
         print(f"Loss:           {report.loss_start:.4f} at step 1 -> {report.loss_end:.4f} at step {report.result.steps}")
         print(f"Throughput:     {report.result.tokens_per_s:,.0f} tokens/s on {report.result.world_size} ranks ({report.result.backend})")
         print(f"Checkpoint:     {report.result.checkpoint}")

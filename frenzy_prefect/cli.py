@@ -14,13 +14,11 @@ from pydantic import ValidationError
 
 from frenzy_prefect.errors import FrenzyError, describe_validation_error
 from frenzy_prefect.spec.plan import MemoryEstimate, ParallelPlan
+from frenzy_prefect.units import gib
 
 app = typer.Typer(help="Memory-aware LLM training on heterogeneous GPU clusters.", no_args_is_help=True, pretty_exceptions_enable=False)
 cluster_app = typer.Typer(help="Cluster inventories (FrenzyCluster blocks).", no_args_is_help=True)
 app.add_typer(cluster_app, name="cluster")
-
-GIB = 1024**3
-
 
 class Precision(str, Enum):
     fp32 = "fp32"
@@ -80,7 +78,7 @@ def estimate(
     pp: int = typer.Option(1, "--pp"),
     micro_batch: int = typer.Option(1, "--micro-batch"),
     global_batch: Optional[int] = typer.Option(None, "--global-batch", help="Default: dp * micro-batch."),
-    seq_len: int = typer.Option(1024, "--seq-len"),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Default: the model's max_seq_len."),
     zero: int = typer.Option(0, "--zero", help="ZeRO stage 0-3."),
     recompute: Recompute = typer.Option(Recompute.none, "--recompute"),
     precision: Precision = typer.Option(Precision.bf16, "--precision"),
@@ -95,7 +93,8 @@ def estimate(
     from frenzy_prefect.spec.request import OptimizerSettings
 
     def body() -> None:
-        spec = resolve_model(model)
+        spec = resolve_model(model, seq_len=seq_len)
+        tokens = seq_len or spec.max_seq_len
         if gpu is not None and gpu not in GPU_CATALOG:
             raise FrenzyError(f"unknown GPU type {gpu!r}; known: {', '.join(GPU_CATALOG)}")
         plan = ParallelPlan(dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, zero=zero, recompute=recompute.value)
@@ -103,20 +102,20 @@ def estimate(
             spec,
             plan,
             global_batch=global_batch or dp * micro_batch,
-            seq_len=seq_len,
+            seq_len=tokens,
             precision=precision.value,
             optimizer_bytes_per_param=OptimizerSettings(name=optimizer.value).state_bytes_per_parameter,
             gpu=GPU_CATALOG[gpu] if gpu else None,
         )
-        out = memory_json(result, plan) | {"model": spec.name, "parameters": spec.parameters}
+        out = memory_json(result, plan) | {"model": spec.name, "parameters": spec.parameters, "seq_len": tokens}
         if as_json:
             typer.echo(json.dumps(out))
         else:
-            typer.echo(f"{spec.name} ({spec.parameters:,} parameters), {plan.label()}: peak {result.peak_bytes / GIB:.3f} GiB per GPU")
+            typer.echo(f"{spec.name} ({spec.parameters:,} parameters), {plan.label()}: peak {gib(result.peak_bytes)} GiB per GPU")
             for stage, b in enumerate(result.per_stage):
                 typer.echo(
-                    f"  stage {stage}: params {b.params / GIB:.3f}  grads {b.grads / GIB:.3f}  optimizer {b.optimizer / GIB:.3f}"
-                    f"  activations {b.activations / GIB:.3f}  other {b.other / GIB:.3f}  GiB"
+                    f"  stage {stage}: params {gib(b.params)}  grads {gib(b.grads)}  optimizer {gib(b.optimizer)}"
+                    f"  activations {gib(b.activations)}  other {gib(b.other)}  GiB"
                 )
 
     _guarded(body)
@@ -142,7 +141,7 @@ def plan(
     def body() -> None:
         if not cluster.is_file():
             raise FrenzyError(f"cluster file {cluster} does not exist")
-        spec = resolve_model(model)
+        spec = resolve_model(model, seq_len=seq_len)
         request = TrainingRequest(
             model=model, dataset="-", global_batch=global_batch, seq_len=seq_len, steps=1,
             precision=precision.value, optimizer=OptimizerSettings(name=optimizer.value),
@@ -165,7 +164,7 @@ def plan(
             )
             return
         for c in ranked:
-            typer.echo(f"{c.plan.gpus:>3} x {c.gpu_type:<10} {c.plan.label():<48} {c.memory.peak_bytes / GIB:8.3f} GiB  {c.step_time_s:.4g} s/step")
+            typer.echo(f"{c.plan.gpus:>3} x {c.gpu_type:<10} {c.plan.label():<48} {gib(c.memory.peak_bytes):>8} GiB  {c.step_time_s:.4g} s/step")
         placed = ", ".join(f"{p.node}{p.gpus}" for p in chosen.placements)
         typer.echo(f"chosen: {chosen.plan.gpus} x {chosen.gpu_type}, {chosen.plan.label()} on {placed}")
 

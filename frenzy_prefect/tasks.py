@@ -11,7 +11,6 @@ from prefect.logging import get_run_logger
 
 from frenzy_prefect import allocator
 from frenzy_prefect.blocks import FrenzyCluster
-from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.profiling.dataset import DatasetInfo
 from frenzy_prefect.profiling.dataset import profile_dataset as _profile_dataset
 from frenzy_prefect.profiling.model import resolve_model
@@ -21,31 +20,25 @@ from frenzy_prefect.spec.plan import Allocation, MemoryBreakdown, PlanCandidate,
 from frenzy_prefect.spec.request import TrainingRequest
 from frenzy_prefect.spec.result import TrainingReport, TrainingResult
 from frenzy_prefect.storage import open_uri
+from frenzy_prefect.units import gib
 
-GIB = 1024**3
 ARTIFACT_ROWS = 25
-
-
-def _gib(n: int) -> str:
-    return f"{n / GIB:.3f}"
 
 
 def _breakdown_row(b: MemoryBreakdown) -> dict[str, str]:
     return {
-        "params GiB": _gib(b.params),
-        "grads GiB": _gib(b.grads),
-        "optimizer GiB": _gib(b.optimizer),
-        "activations GiB": _gib(b.activations),
-        "other GiB": _gib(b.other),
-        "peak GiB": _gib(b.total),
+        "params GiB": gib(b.params),
+        "grads GiB": gib(b.grads),
+        "optimizer GiB": gib(b.optimizer),
+        "activations GiB": gib(b.activations),
+        "other GiB": gib(b.other),
+        "peak GiB": gib(b.total),
     }
 
 
 @task
 def profile_model(request: TrainingRequest) -> ModelSpec:
-    spec = resolve_model(request.model)
-    if request.seq_len > spec.max_seq_len:
-        raise FrenzyError(f"seq_len ({request.seq_len}) exceeds the model's max_seq_len ({spec.max_seq_len})")
+    spec = resolve_model(request.model, seq_len=request.seq_len)
     get_run_logger().info(f"Model {spec.name}: {spec.parameters:,} parameters, {spec.layers} layers, hidden {spec.hidden}")
     return spec
 
@@ -83,7 +76,7 @@ def estimate_memory(model: ModelSpec, request: TrainingRequest, state: ClusterSt
             "gpus": str(c.plan.gpus),
             "plan": c.plan.label(),
             **_breakdown_row(c.memory.peak_stage),
-            "GPU memory GiB": _gib(c.gpu_memory_bytes),
+            "GPU memory GiB": gib(c.gpu_memory_bytes),
             "fits": "yes" if c.fits else "no",
             "step s (predicted)": f"{c.step_time_s:.4g}",
         }
@@ -109,7 +102,7 @@ def allocate(candidates: list[PlanCandidate], state: ClusterState) -> Allocation
             f"## Allocation\n\n"
             f"**{chosen.plan.gpus} x {chosen.gpu_type}**, {chosen.plan.label()}\n\n"
             f"- placement: {placed}\n"
-            f"- predicted peak memory per GPU: {_gib(chosen.memory.peak_bytes)} GiB of {_gib(chosen.gpu_memory_bytes)} GiB\n"
+            f"- predicted peak memory per GPU: {gib(chosen.memory.peak_bytes)} GiB of {gib(chosen.gpu_memory_bytes)} GiB\n"
             f"- predicted step time: {chosen.step_time_s:.4g} s\n\n"
             + "| " + " | ".join(_breakdown_row(chosen.memory.peak_stage)) + " |\n"
             + "|" + "---|" * 6 + "\n"
@@ -153,7 +146,7 @@ def report(job: TrainingJob, result: TrainingResult, training_flow_run: str) -> 
         markdown=(
             f"## {summary.model} trained\n\n"
             f"- plan: {a.plan.gpus} x {a.gpu_type}, {a.plan.label()}\n"
-            f"- predicted peak memory per GPU: {_gib(a.memory.peak_bytes)} GiB\n"
+            f"- predicted peak memory per GPU: {gib(a.memory.peak_bytes)} GiB\n"
             f"- loss: {summary.loss_start:.4f} -> {summary.loss_end:.4f} over {result.steps} steps\n"
             f"- throughput: {result.tokens_per_s:,.0f} tokens/s on {result.world_size} ranks ({result.backend})\n"
             f"- checkpoint: `{result.checkpoint}`\n"

@@ -26,6 +26,12 @@ def test_estimate_json_has_the_contracted_schema():
     assert data["peak_bytes"] == max(r["peak_bytes"] for r in data["per_rank"])
 
 
+def test_estimate_defaults_to_the_models_full_context():
+    out = frenzy("estimate", "gpt-nano", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["seq_len"] == 256
+
+
 def test_plan_json_chooses_a_placement_on_the_example_cluster():
     out = frenzy("plan", "gpt-nano", "--global-batch", "32", "--seq-len", "128", "--cluster", str(EXAMPLE_CLUSTER), "--precision", "fp32", "--json")
     assert out.returncode == 0, out.stderr
@@ -42,6 +48,7 @@ def test_plan_json_chooses_a_placement_on_the_example_cluster():
         (["estimate", "gpt2-small", "--gpu", "X100"], "unknown GPU type 'X100'; known: H200"),
         (["estimate", "gpt2-small", "--micro-batch", "0"], "micro_batch: Input should be greater than 0 (got 0)"),
         (["estimate", "gpt2-small", "--zero", "4"], "zero: Input should be 0, 1, 2 or 3 (got 4)"),
+        (["estimate", "gpt-nano", "--seq-len", "1024"], "seq_len (1024) exceeds the model's max_seq_len (256)"),
         (["plan", "gpt3-13b", "--global-batch", "8", "--seq-len", "2048", "--cluster", str(EXAMPLE_CLUSTER)], "the largest GPU available is A10"),
         (["plan", "gpt-nano", "--global-batch", "8", "--seq-len", "64", "--cluster", "nope.yaml"], "cluster file nope.yaml does not exist"),
     ],

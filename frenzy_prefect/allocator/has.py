@@ -6,13 +6,7 @@ from frenzy_prefect.allocator.placement import place
 from frenzy_prefect.errors import ClusterBusy, NoFeasiblePlan
 from frenzy_prefect.spec.cluster import ClusterState
 from frenzy_prefect.spec.plan import Allocation, PlanCandidate
-
-GIB = 1024**3
-
-
-def _gib(n: int) -> str:
-    return f"{n / GIB:.2f} GiB"
-
+from frenzy_prefect.units import gib
 
 def allocate(candidates: list[PlanCandidate], state: ClusterState) -> Allocation:
     """``candidates`` as ``candidate_plans`` returns them (priority order)."""
@@ -25,9 +19,9 @@ def allocate(candidates: list[PlanCandidate], state: ClusterState) -> Allocation
         biggest = max(cluster.nodes, key=lambda n: cluster.gpu_of(n).memory_bytes)
         raise NoFeasiblePlan(
             f"no GPU type in cluster {cluster.name!r} can hold this job under any plan: the smallest "
-            f"per-GPU requirement found is {_gib(smallest.memory.peak_bytes)} ({smallest.plan.label()} on "
+            f"per-GPU requirement found is {gib(smallest.memory.peak_bytes, 2)} GiB ({smallest.plan.label()} on "
             f"{smallest.gpu_type}), the largest GPU available is {biggest.gpu_type} with "
-            f"{_gib(cluster.gpu_of(biggest).memory_bytes)} (node {biggest.name})"
+            f"{gib(cluster.gpu_of(biggest).memory_bytes, 2)} GiB (node {biggest.name})"
         )
     for c in feasible:
         free = [(n, state.free_gpus.get(n.name, [])) for n in cluster.nodes if n.gpu_type == c.gpu_type]

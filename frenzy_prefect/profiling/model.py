@@ -60,8 +60,16 @@ def from_hf_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
         raise FrenzyError(f"model config {name}: {describe_validation_error(exc)}") from None
 
 
-def resolve_model(model: str | dict[str, Any]) -> ModelSpec:
-    """The model of a request: a preset name, a config.json path/URI, or an inline HF-style mapping."""
+def resolve_model(model: str | dict[str, Any], seq_len: int | None = None) -> ModelSpec:
+    """The model of a request: a preset name, a config.json path/URI, or an inline HF-style
+    mapping; checked against the sequence length it will train on, when given."""
+    spec = _load(model)
+    if seq_len is not None and seq_len > spec.max_seq_len:
+        raise FrenzyError(f"seq_len ({seq_len}) exceeds the model's max_seq_len ({spec.max_seq_len})")
+    return spec
+
+
+def _load(model: str | dict[str, Any]) -> ModelSpec:
     if isinstance(model, dict):
         return from_hf_config(model, name="inline config")
     if model in PRESETS:

@@ -4,9 +4,7 @@ nvidia-smi reports. Clusters may declare types the catalog lacks (their own `gpu
 from __future__ import annotations
 
 from frenzy_prefect.spec.cluster import GpuType
-
-_GIB = 1024**3
-
+from frenzy_prefect.units import GIB
 
 def _gpu(name: str, memory_mib: int, half_tflops: float, fp32_tflops: float, link_gbps: float, bf16: bool = True) -> GpuType:
     return GpuType(
@@ -17,7 +15,7 @@ def _gpu(name: str, memory_mib: int, half_tflops: float, fp32_tflops: float, lin
         link_gbps=link_gbps,
         supports_bf16=bf16,
         # CUDA context, cuBLAS/cuDNN workspaces and allocator slack; calibrated per type later.
-        runtime_overhead_bytes=int(0.75 * _GIB),
+        runtime_overhead_bytes=int(0.75 * GIB),
     )
 
 

@@ -8,6 +8,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
+from frenzy_prefect.units import GIB
+
 
 class GpuType(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -78,7 +80,7 @@ class ClusterSpec(BaseModel):
         gpu = self.known_gpu_types()[node.gpu_type]
         if node.gpu_memory_gib is None:
             return gpu
-        return gpu.model_copy(update={"memory_bytes": int(node.gpu_memory_gib * 1024**3)})
+        return gpu.model_copy(update={"memory_bytes": int(node.gpu_memory_gib * GIB)})
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ClusterSpec":
