@@ -135,7 +135,7 @@ def report(job: TrainingJob, result: TrainingResult, training_flow_run: str) -> 
         result=result,
         training_flow_run=training_flow_run,
     )
-    with open_uri(f"{job.output.rstrip('/')}/report.json", "w") as f:
+    with open_uri(job.report_uri, "w") as f:
         f.write(summary.model_dump_json(indent=2))
     stride = max(1, len(result.losses) // 20)
     curve = [{"step": str(i + 1), "loss": f"{loss:.4f}"} for i, loss in enumerate(result.losses) if i % stride == 0 or i + 1 == len(result.losses)]

@@ -78,7 +78,7 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, FrenzyVariables, FrenzyWor
     ) -> FrenzyWorkerResult:
         logger = self.get_flow_run_logger(flow_run)
         launches = self.launches_for(flow_run, configuration)
-        nodes = ", ".join(f"{l.env.get('FRENZY_NODE', l.host)} x{l.processes}" for l in launches)
+        nodes = ", ".join(f"{l.node or l.host} x{l.processes}" for l in launches)
         group = await start_local(launches, cwd=configuration.working_dir)
         logger.info(f"Started {sum(l.processes for l in launches)} process(es) on {nodes}; PIDs {group.identifier}")
         if task_status is not None:

@@ -9,6 +9,7 @@ class Launch(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     host: str
+    node: str | None = Field(default=None, description="The cluster node this runs on, for people reading logs.")
     argv: list[str] = Field(min_length=1, description="An argument list, never a shell string.")
     env: dict[str, str] = Field(default_factory=dict)
     processes: PositiveInt = Field(default=1, description="Processes this command becomes (ranks on the node).")

@@ -27,7 +27,6 @@ def rank_launches(job: TrainingJob, *, python: str, master_port: int, env: dict[
             **env,
             JOB_ENV: job.model_dump_json(),
             "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in placement.gpus),
-            "FRENZY_NODE": placement.node,
         }
-        launches.append(Launch(host=placement.host, argv=argv, env=node_env, processes=len(placement.gpus)))
+        launches.append(Launch(host=placement.host, node=placement.node, argv=argv, env=node_env, processes=len(placement.gpus)))
     return launches

@@ -128,7 +128,7 @@ class TrainingJob(BaseModel):
     request: TrainingRequest
     model: ModelSpec
     allocation: Allocation
-    output: str = Field(description="URI prefix that receives checkpoint.pt and metrics.json.")
+    output: str = Field(description="URI prefix that receives checkpoint.pt, metrics.json and report.json.")
 
     @property
     def checkpoint_uri(self) -> str:
@@ -137,3 +137,7 @@ class TrainingJob(BaseModel):
     @property
     def metrics_uri(self) -> str:
         return f"{self.output.rstrip('/')}/metrics.json"
+
+    @property
+    def report_uri(self) -> str:
+        return f"{self.output.rstrip('/')}/report.json"

@@ -17,8 +17,8 @@ class TrainingResult(BaseModel):
     checkpoint: str
     world_size: int
     backend: str
-    wall_s: float
-    tokens_per_s: float
+    wall_s: float = Field(description="From joining the process group to the last step.")
+    tokens_per_s: float = Field(description="Trained tokens over wall_s, all ranks together.")
 
 
 class TrainingReport(BaseModel):

@@ -97,14 +97,15 @@ def train(job: TrainingJob, ctx: DistributedContext, log: Callable[[str], None] 
                 log(f"step {step}/{request.steps} loss {losses[-1]:.4f} ({rate:,.0f} tokens/s over {ctx.world_size} ranks)")
         data.close()
 
+        elapsed = time.perf_counter() - started
         result = TrainingResult(
             steps=request.steps,
             losses=losses,
             checkpoint=job.checkpoint_uri,
             world_size=ctx.world_size,
             backend=ctx.backend,
-            wall_s=time.perf_counter() - started,
-            tokens_per_s=request.steps * tokens_per_step / (time.perf_counter() - started),
+            wall_s=elapsed,
+            tokens_per_s=request.steps * tokens_per_step / elapsed,
         )
         if ctx.rank == 0:
             buffer = io.BytesIO()
