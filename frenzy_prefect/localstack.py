@@ -65,7 +65,7 @@ class LocalStack:
 
     def stop(self) -> None:
         """Stop what this stack started, newest first: SIGTERM, then SIGKILL after 10 s."""
-        for name, proc in reversed(list(self.processes.items())):
+        for proc in reversed(list(self.processes.values())):
             try:
                 os.killpg(proc.pid, signal.SIGTERM)
                 proc.wait(timeout=10)

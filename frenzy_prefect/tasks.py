@@ -11,6 +11,7 @@ from prefect.logging import get_run_logger
 
 from frenzy_prefect import allocator
 from frenzy_prefect.blocks import FrenzyCluster
+from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.profiling.dataset import DatasetInfo
 from frenzy_prefect.profiling.dataset import profile_dataset as _profile_dataset
 from frenzy_prefect.profiling.model import resolve_model
