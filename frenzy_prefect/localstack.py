@@ -41,8 +41,8 @@ class LocalStack:
     # -- processes ----------------------------------------------------------------------------
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
-        log = open(self.logs / f"{name}.log", "wb")
-        proc = subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        with open(self.logs / f"{name}.log", "wb") as log:  # the child keeps its own descriptor
+            proc = subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.processes[name] = proc
         return proc
 
