@@ -20,6 +20,7 @@ app = typer.Typer(help="Memory-aware LLM training on heterogeneous GPU clusters.
 cluster_app = typer.Typer(help="Cluster inventories (FrenzyCluster blocks).", no_args_is_help=True)
 app.add_typer(cluster_app, name="cluster")
 
+
 class Precision(str, Enum):
     fp32 = "fp32"
     bf16 = "bf16"

@@ -8,6 +8,7 @@ from frenzy_prefect.spec.cluster import ClusterState
 from frenzy_prefect.spec.plan import Allocation, PlanCandidate
 from frenzy_prefect.units import gib
 
+
 def allocate(candidates: list[PlanCandidate], state: ClusterState) -> Allocation:
     """``candidates`` as ``candidate_plans`` returns them (priority order)."""
     cluster = state.cluster
@@ -16,12 +17,12 @@ def allocate(candidates: list[PlanCandidate], state: ClusterState) -> Allocation
     feasible = [c for c in candidates if c.fits]
     if not feasible:
         smallest = min(candidates, key=lambda c: c.memory.peak_bytes)
-        biggest = max(cluster.nodes, key=lambda n: cluster.gpu_of(n).memory_bytes)
+        biggest_gpu, node = max(((cluster.gpu_of(n), n) for n in cluster.nodes), key=lambda g: g[0].memory_bytes)
         raise NoFeasiblePlan(
             f"no GPU type in cluster {cluster.name!r} can hold this job under any plan: the smallest "
             f"per-GPU requirement found is {gib(smallest.memory.peak_bytes, 2)} GiB ({smallest.plan.label()} on "
-            f"{smallest.gpu_type}), the largest GPU available is {biggest.gpu_type} with "
-            f"{gib(cluster.gpu_of(biggest).memory_bytes, 2)} GiB (node {biggest.name})"
+            f"{smallest.gpu_type}), the largest GPU available is {node.gpu_type} with "
+            f"{gib(biggest_gpu.memory_bytes, 2)} GiB (node {node.name})"
         )
     for c in feasible:
         free = [(n, state.free_gpus.get(n.name, [])) for n in cluster.nodes if n.gpu_type == c.gpu_type]

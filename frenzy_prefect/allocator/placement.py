@@ -14,11 +14,12 @@ def place(gpus: int, free: list[tuple[Node, list[int]]], group: int = 1) -> list
     usable = [(node, idx) for node, idx in usable if idx]
     exact = [(n, idx) for n, idx in usable if len(idx) == gpus]
     fitting = sorted(((n, idx) for n, idx in usable if len(idx) > gpus), key=lambda x: (len(x[1]), x[0].name))
-    for node, idx in exact or fitting:
+    if exact or fitting:
+        node, idx = (exact or fitting)[0]
         return [Placement(node=node.name, host=node.host, gpus=idx[:gpus])]
     placements, needed = [], gpus
     for node, idx in sorted(usable, key=lambda x: (-len(x[1]), x[0].name)):
-        take = idx[: min(len(idx), needed)]
+        take = idx[:needed]
         placements.append(Placement(node=node.name, host=node.host, gpus=take))
         needed -= len(take)
         if needed == 0:

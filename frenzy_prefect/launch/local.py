@@ -77,9 +77,6 @@ class ProcessGroup:
                     await stop_process_groups([p.pid for p in pending.values()], grace_s)
         return first_failure
 
-    async def stop(self, grace_s: float = 10.0) -> None:
-        await stop_process_groups(self.pids, grace_s)
-
 
 async def start_local(launches: list[Launch], cwd: Path | None = None) -> ProcessGroup:
     remote = [l.host for l in launches if not is_local(l.host)]

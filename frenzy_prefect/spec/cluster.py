@@ -69,12 +69,6 @@ class ClusterSpec(BaseModel):
 
         return {**GPU_CATALOG, **self.gpu_types}
 
-    def node(self, name: str) -> Node:
-        for node in self.nodes:
-            if node.name == name:
-                return node
-        raise KeyError(f"no node {name!r} in cluster {self.name!r}")
-
     def gpu_of(self, node: Node) -> GpuType:
         """The node's GPU type, with the node's own memory size where it declares one."""
         gpu = self.known_gpu_types()[node.gpu_type]

@@ -115,10 +115,6 @@ class Allocation(PlanCandidate):
             raise ValueError(f"placements hold {placed} GPUs but the plan needs {self.plan.gpus}")
         return self
 
-    @property
-    def world_size(self) -> int:
-        return self.plan.gpus
-
 
 class TrainingJob(BaseModel):
     """Everything the ranks need to train: the request, the resolved model and the allocation."""
@@ -130,14 +126,17 @@ class TrainingJob(BaseModel):
     allocation: Allocation
     output: str = Field(description="URI prefix that receives checkpoint.pt, metrics.json and report.json.")
 
+    def _under_output(self, name: str) -> str:
+        return f"{self.output.rstrip('/')}/{name}"
+
     @property
     def checkpoint_uri(self) -> str:
-        return f"{self.output.rstrip('/')}/checkpoint.pt"
+        return self._under_output("checkpoint.pt")
 
     @property
     def metrics_uri(self) -> str:
-        return f"{self.output.rstrip('/')}/metrics.json"
+        return self._under_output("metrics.json")
 
     @property
     def report_uri(self) -> str:
-        return f"{self.output.rstrip('/')}/report.json"
+        return self._under_output("report.json")

@@ -17,7 +17,7 @@ class TrainingResult(BaseModel):
     checkpoint: str
     world_size: int
     backend: str
-    wall_s: float = Field(description="From joining the process group to the last step.")
+    wall_s: float = Field(description="From the start of training (joining the process group included) to the last step.")
     tokens_per_s: float = Field(description="Trained tokens over wall_s, all ranks together.")
 
 
