@@ -31,13 +31,14 @@ def train_llm(
     """Train ``request.model`` on ``request.dataset``: profile, estimate memory, allocate GPUs,
     train on them, report. ``cluster`` names a FrenzyCluster block."""
     model = profile_model(request)
-    profile_dataset(request, model)
+    dataset = profile_dataset(request, model)
     state = profile_cluster(cluster)
     candidates = estimate_memory(model, request, state)
     allocation = allocate(candidates, state)
     job = TrainingJob(
         request=request,
         model=model,
+        dataset=dataset,
         allocation=allocation,
         output=request.output or default_output(request.dataset, flow_run.get_name() or "local"),
     )

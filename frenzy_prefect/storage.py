@@ -59,6 +59,13 @@ def open_uri(uri: str, mode: str = "rb", **kwargs: Any) -> Iterator[IO[Any]]:
         yield f
 
 
+def write_bytes(uri: str, data: bytes) -> None:
+    """One PUT: the object appears whole or not at all."""
+    fs, path = filesystem(uri)
+    with reaching(uri):
+        fs.pipe_file(path, data)
+
+
 def exists(uri: str) -> bool:
     fs, path = filesystem(uri)
     with reaching(uri):

@@ -12,15 +12,15 @@ from prefect.logging import get_run_logger
 from frenzy_prefect import allocator
 from frenzy_prefect.blocks import FrenzyCluster
 from frenzy_prefect.errors import FrenzyError
-from frenzy_prefect.profiling.dataset import DatasetInfo
 from frenzy_prefect.profiling.dataset import profile_dataset as _profile_dataset
 from frenzy_prefect.profiling.model import resolve_model
 from frenzy_prefect.spec.cluster import ClusterState
+from frenzy_prefect.spec.dataset import DatasetInfo
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import Allocation, MemoryBreakdown, PlanCandidate, TrainingJob
 from frenzy_prefect.spec.request import TrainingRequest
 from frenzy_prefect.spec.result import TrainingReport, TrainingResult
-from frenzy_prefect.storage import open_uri
+from frenzy_prefect.storage import open_uri, write_bytes
 from frenzy_prefect.units import gib
 
 ARTIFACT_ROWS = 25
@@ -136,8 +136,7 @@ def report(job: TrainingJob, result: TrainingResult, training_flow_run: str) -> 
         result=result,
         training_flow_run=training_flow_run,
     )
-    with open_uri(job.report_uri, "w") as f:
-        f.write(summary.model_dump_json(indent=2))
+    write_bytes(job.report_uri, summary.model_dump_json(indent=2).encode())
     stride = max(1, len(result.losses) // 20)
     curve = [{"step": str(i + 1), "loss": f"{loss:.4f}"} for i, loss in enumerate(result.losses) if i % stride == 0 or i + 1 == len(result.losses)]
     create_table_artifact(key="loss-curve", table=curve, description="Training loss (mean over ranks)")

@@ -12,7 +12,9 @@ import torch
 from frenzy_prefect.launch.local import is_running, start_local
 from frenzy_prefect.launch.torchrun import rank_launches
 from frenzy_prefect.memory import estimate
+from frenzy_prefect.profiling.dataset import profile_dataset
 from frenzy_prefect.profiling.model import PRESETS
+from frenzy_prefect.spec.dataset import DatasetInfo
 from frenzy_prefect.spec.plan import Allocation, ParallelPlan, Placement, TrainingJob
 from frenzy_prefect.spec.request import TrainingRequest
 from frenzy_prefect.storage import exists, filesystem, open_uri
@@ -25,12 +27,17 @@ from .conftest import BUCKET
 NANO = PRESETS["gpt-nano"]
 
 
-def make_job(dataset: str, output: str, plan: ParallelPlan, placements: list[Placement], **request: object) -> TrainingJob:
-    req = TrainingRequest(**({"model": "gpt-nano", "dataset": dataset, "global_batch": 16, "seq_len": 64, "steps": 40,
+def unchecked(uri: str, tokens: int = 10_000) -> DatasetInfo:
+    """A dataset as profiling would have described it, without looking (it may have gone since)."""
+    return DatasetInfo(uri=uri, format="bytes", tokens=tokens, size_bytes=tokens)
+
+
+def make_job(dataset: DatasetInfo, output: str, plan: ParallelPlan, placements: list[Placement], **request: object) -> TrainingJob:
+    req = TrainingRequest(**({"model": "gpt-nano", "dataset": dataset.uri, "global_batch": 16, "seq_len": 64, "steps": 40,
                               "precision": "fp32", "output": output, "log_every": 10} | request))  # fmt: skip
     memory = estimate(NANO, plan, global_batch=req.global_batch, seq_len=req.seq_len, precision=req.precision, optimizer_bytes_per_param=8)
     allocation = Allocation(gpu_type="A10", plan=plan, memory=memory, gpu_memory_bytes=24 * 2**30, step_time_s=1.0, placements=placements)
-    return TrainingJob(request=req, model=NANO, allocation=allocation, output=output)
+    return TrainingJob(request=req, model=NANO, dataset=dataset, allocation=allocation, output=output)
 
 
 def launch(job: TrainingJob) -> tuple[int, list[int]]:
@@ -45,7 +52,7 @@ def test_two_ranks_on_two_nodes_train_and_checkpoint_to_s3(dataset):
     output = f"s3://{BUCKET}/runs/two-ranks"
     plan = ParallelPlan(dp=2, micro_batch=4)  # 2 accumulation steps per optimizer step
     placements = [Placement(node="n0", host="127.0.0.1", gpus=[0]), Placement(node="n1", host="127.0.0.1", gpus=[0])]
-    job = make_job(dataset, output, plan, placements)
+    job = make_job(profile_dataset(dataset, 64, NANO.vocab_size), output, plan, placements)
     code, _ = launch(job)
     assert code == 0
 
@@ -65,7 +72,7 @@ def test_two_ranks_on_two_nodes_train_and_checkpoint_to_s3(dataset):
 
 def test_a_failing_rank_stops_the_whole_job_and_writes_nothing(s3):
     output = f"s3://{BUCKET}/runs/failing"
-    job = make_job(f"s3://{BUCKET}/data/absent.txt", output, ParallelPlan(dp=2, micro_batch=8),
+    job = make_job(unchecked(f"s3://{BUCKET}/data/absent.txt"), output, ParallelPlan(dp=2, micro_batch=8),
                    [Placement(node="n0", host="127.0.0.1", gpus=[0, 1])])  # fmt: skip
     code, pids = launch(job)
     assert code != 0
@@ -76,7 +83,7 @@ def test_a_failing_rank_stops_the_whole_job_and_writes_nothing(s3):
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_a_lone_rank_trains_with_full_recomputation(dataset, precision):
     output = f"s3://{BUCKET}/runs/lone-{precision}"
-    job = make_job(dataset, output, ParallelPlan(micro_batch=8, recompute="full"), [Placement(node="n0", host="127.0.0.1", gpus=[0])],
+    job = make_job(profile_dataset(dataset, 64, NANO.vocab_size), output, ParallelPlan(micro_batch=8, recompute="full"), [Placement(node="n0", host="127.0.0.1", gpus=[0])],
                    steps=15, precision=precision)  # fmt: skip
     lines = []
     result = train(job, DistributedContext(), log=lines.append)

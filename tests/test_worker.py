@@ -15,7 +15,7 @@ from frenzy_prefect.spec.plan import ParallelPlan, Placement
 from frenzy_prefect.training.entry import JOB_ENV
 from frenzy_prefect.worker import FrenzyJobConfiguration, FrenzyWorker
 
-from .test_training import make_job
+from .test_training import make_job, unchecked
 
 
 def test_prefect_finds_the_frenzy_worker_type_through_the_entry_point():
@@ -35,7 +35,7 @@ def _run(parameters):
 
 
 def test_a_training_run_becomes_one_torchrun_agent_per_node():
-    job = make_job("s3://b/d.txt", "s3://b/out", ParallelPlan(dp=3, micro_batch=1), global_batch=12, placements=[
+    job = make_job(unchecked("s3://b/d.txt"), "s3://b/out", ParallelPlan(dp=3, micro_batch=1), global_batch=12, placements=[
         Placement(node="a", host="127.0.0.1", gpus=[0, 1]), Placement(node="b", host="127.0.0.1", gpus=[3])])  # fmt: skip
     config = FrenzyJobConfiguration(command="ignored for training runs", env={"EXTRA": "1"})
     launches = FrenzyWorker(work_pool_name="p").launches_for(_run({"job": job.model_dump(mode="json")}), config)

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
 from frenzy_prefect.errors import FrenzyError
+from frenzy_prefect.spec.dataset import DatasetInfo
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.request import TrainingRequest
 
@@ -117,12 +118,13 @@ class Allocation(PlanCandidate):
 
 
 class TrainingJob(BaseModel):
-    """Everything the ranks need to train: the request, the resolved model and the allocation."""
+    """Everything the ranks need to train: the request, the resolved model and dataset, and the allocation."""
 
     model_config = ConfigDict(frozen=True)
 
     request: TrainingRequest
     model: ModelSpec
+    dataset: DatasetInfo
     allocation: Allocation
     output: str = Field(description="URI prefix that receives checkpoint.pt, metrics.json and report.json.")
 

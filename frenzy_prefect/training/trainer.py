@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from frenzy_prefect.spec.plan import TrainingJob
 from frenzy_prefect.spec.request import OptimizerSettings
 from frenzy_prefect.spec.result import TrainingResult
-from frenzy_prefect.storage import filesystem, reaching
+from frenzy_prefect.storage import write_bytes
 from frenzy_prefect.training.data import TokenWindows
 from frenzy_prefect.training.distributed import DistributedContext
 from frenzy_prefect.training.gpt import GPT
@@ -41,13 +41,6 @@ def lr_factor(step: int, steps: int, settings: OptimizerSettings) -> float:
     return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def write_bytes(uri: str, data: bytes) -> None:
-    """One PUT: the object appears whole or not at all."""
-    fs, path = filesystem(uri)
-    with reaching(uri):
-        fs.pipe_file(path, data)
-
-
 def train(job: TrainingJob, ctx: DistributedContext, log: Callable[[str], None] = print) -> TrainingResult:
     """Run this rank's share of ``job``; every rank returns the same result, rank 0 writes it."""
     request, plan = job.request, job.allocation.plan
@@ -66,7 +59,7 @@ def train(job: TrainingJob, ctx: DistributedContext, log: Callable[[str], None] 
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, request.steps, request.optimizer))
         amp_dtype = AUTOCAST_DTYPES.get(request.precision)
         scaler = torch.amp.GradScaler(device.type, enabled=request.precision == "fp16")
-        data = TokenWindows(request.dataset, request.seq_len)
+        data = TokenWindows(job.dataset, request.seq_len)
         generator = torch.Generator().manual_seed(request.seed * 1_000_003 + ctx.rank)
         accumulation = plan.accumulation(request.global_batch)
         tokens_per_step = request.global_batch * request.seq_len
