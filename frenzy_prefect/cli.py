@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import sys
-from enum import Enum
 from pathlib import Path
 from typing import Any, Optional
 
@@ -14,29 +13,12 @@ from pydantic import ValidationError
 
 from frenzy_prefect.errors import FrenzyError, describe_validation_error
 from frenzy_prefect.spec.plan import MemoryEstimate, ParallelPlan
+from frenzy_prefect.spec.request import TrainingRequest
 from frenzy_prefect.units import gib
 
 app = typer.Typer(help="Memory-aware LLM training on heterogeneous GPU clusters.", no_args_is_help=True, pretty_exceptions_enable=False)
 cluster_app = typer.Typer(help="Cluster inventories (FrenzyCluster blocks).", no_args_is_help=True)
 app.add_typer(cluster_app, name="cluster")
-
-
-class Precision(str, Enum):
-    fp32 = "fp32"
-    bf16 = "bf16"
-    fp16 = "fp16"
-
-
-class Recompute(str, Enum):
-    none = "none"
-    selective = "selective"
-    full = "full"
-
-
-class Optimizer(str, Enum):
-    adamw = "adamw"
-    adam = "adam"
-    sgd = "sgd"
 
 
 def _fail(message: str) -> None:
@@ -54,6 +36,15 @@ def _guarded(fn):
         _fail(str(exc))
 
 
+def _request(model: str, global_batch: int, seq_len: int, precision: str, optimizer: str) -> TrainingRequest:
+    """The workload a command describes, validated as a training request (it names no dataset),
+    so that bad values get the same one-line errors as in a flow."""
+    return TrainingRequest(
+        model=model, dataset="-", global_batch=global_batch, seq_len=seq_len, steps=1,
+        precision=precision, optimizer={"name": optimizer},
+    )  # fmt: skip
+
+
 def memory_json(estimate: MemoryEstimate, plan: ParallelPlan) -> dict[str, Any]:
     """The estimate/measure schema: peak over ranks, then every rank with its stage's breakdown."""
     per_rank = []
@@ -65,7 +56,7 @@ def memory_json(estimate: MemoryEstimate, plan: ParallelPlan) -> dict[str, Any]:
                 "rank": rank,
                 "stage": stage,
                 "peak_bytes": b.total,
-                "breakdown": {"params": b.params, "grads": b.grads, "optimizer": b.optimizer, "activations": b.activations, "other": b.other},
+                "breakdown": b.model_dump(),
             }
         )
     return {"peak_bytes": estimate.peak_bytes, "per_rank": per_rank, "plan": plan.model_dump()}
@@ -81,9 +72,9 @@ def estimate(
     global_batch: Optional[int] = typer.Option(None, "--global-batch", help="Default: dp * micro-batch."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Default: the model's max_seq_len."),
     zero: int = typer.Option(0, "--zero", help="ZeRO stage 0-3."),
-    recompute: Recompute = typer.Option(Recompute.none, "--recompute"),
-    precision: Precision = typer.Option(Precision.bf16, "--precision"),
-    optimizer: Optimizer = typer.Option(Optimizer.adamw, "--optimizer"),
+    recompute: str = typer.Option("none", "--recompute", help="none, selective or full."),
+    precision: str = typer.Option("bf16", "--precision", help="fp32, bf16 or fp16."),
+    optimizer: str = typer.Option("adamw", "--optimizer", help="adamw, adam or sgd."),
     gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU type (adds its runtime overhead; default none)."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
@@ -91,24 +82,23 @@ def estimate(
     from frenzy_prefect.memory import estimate as predict
     from frenzy_prefect.profiling.model import resolve_model
     from frenzy_prefect.spec.catalog import GPU_CATALOG
-    from frenzy_prefect.spec.request import OptimizerSettings
 
     def body() -> None:
         spec = resolve_model(model, seq_len=seq_len)
-        tokens = seq_len or spec.max_seq_len
+        plan = ParallelPlan(dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, zero=zero, recompute=recompute)
+        request = _request(model, global_batch or plan.dp * plan.micro_batch, seq_len or spec.max_seq_len, precision, optimizer)
         if gpu is not None and gpu not in GPU_CATALOG:
             raise FrenzyError(f"unknown GPU type {gpu!r}; known: {', '.join(GPU_CATALOG)}")
-        plan = ParallelPlan(dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, zero=zero, recompute=recompute.value)
         result = predict(
             spec,
             plan,
-            global_batch=global_batch or dp * micro_batch,
-            seq_len=tokens,
-            precision=precision.value,
-            optimizer_bytes_per_param=OptimizerSettings(name=optimizer.value).state_bytes_per_parameter,
+            global_batch=request.global_batch,
+            seq_len=request.seq_len,
+            precision=request.precision,
+            optimizer_bytes_per_param=request.optimizer.state_bytes_per_parameter,
             gpu=GPU_CATALOG[gpu] if gpu else None,
         )
-        out = memory_json(result, plan) | {"model": spec.name, "parameters": spec.parameters, "seq_len": tokens}
+        out = memory_json(result, plan) | {"model": spec.name, "parameters": spec.parameters, "seq_len": request.seq_len}
         if as_json:
             typer.echo(json.dumps(out))
         else:
@@ -128,8 +118,8 @@ def plan(
     global_batch: int = typer.Option(..., "--global-batch"),
     seq_len: int = typer.Option(..., "--seq-len"),
     cluster: Path = typer.Option(..., "--cluster", help="Cluster file (YAML or JSON)."),
-    precision: Precision = typer.Option(Precision.bf16, "--precision"),
-    optimizer: Optimizer = typer.Option(Optimizer.adamw, "--optimizer"),
+    precision: str = typer.Option("bf16", "--precision", help="fp32, bf16 or fp16."),
+    optimizer: str = typer.Option("adamw", "--optimizer", help="adamw, adam or sgd."),
     top: int = typer.Option(10, "--top", help="How many ranked plans to show."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
@@ -137,16 +127,10 @@ def plan(
     from frenzy_prefect import allocator
     from frenzy_prefect.profiling.model import resolve_model
     from frenzy_prefect.spec.cluster import ClusterSpec, ClusterState
-    from frenzy_prefect.spec.request import OptimizerSettings, TrainingRequest
 
     def body() -> None:
-        if not cluster.is_file():
-            raise FrenzyError(f"cluster file {cluster} does not exist")
         spec = resolve_model(model, seq_len=seq_len)
-        request = TrainingRequest(
-            model=model, dataset="-", global_batch=global_batch, seq_len=seq_len, steps=1,
-            precision=precision.value, optimizer=OptimizerSettings(name=optimizer.value),
-        )  # fmt: skip
+        request = _request(model, global_batch, seq_len, precision, optimizer)
         state = ClusterState.idle(ClusterSpec.from_file(cluster))
         candidates = allocator.candidate_plans(spec, request, state.cluster)
         chosen = allocator.allocate(candidates, state)
@@ -205,8 +189,6 @@ def cluster_save(
     from frenzy_prefect.blocks import FrenzyCluster
 
     def body() -> None:
-        if not file.is_file():
-            raise FrenzyError(f"cluster file {file} does not exist")
         block = FrenzyCluster.from_file(file)
         block_name = name or block.cluster.name
         block.save(block_name, overwrite=True)

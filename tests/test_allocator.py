@@ -35,6 +35,13 @@ def test_bf16_excludes_types_without_bf16():
     assert {c.gpu_type for c in cands} == {"A10"}
 
 
+def test_bf16_on_a_cluster_without_bf16_says_which_precisions_would_work():
+    t4_only = ClusterSpec(nodes=[Node(name="t4", host="127.0.0.1", gpu_type="T4", gpu_count=4)])
+    req = TrainingRequest(model="gpt-nano", dataset="s3://b/d.txt", steps=1, global_batch=8, seq_len=64, precision="bf16")
+    with pytest.raises(NoFeasiblePlan, match=r"bf16 needs GPUs with bf16 support, and cluster 'cluster' has none \(T4\); request fp16 or fp32"):
+        allocator.candidate_plans(PRESETS["gpt-nano"], req, t4_only)
+
+
 def test_busy_fast_type_falls_back_to_the_other_type():
     state = ClusterState(cluster=CLUSTER, free_gpus={"a10-node": [], "t4-node": [0, 1]})
     chosen, _ = _allocate(state=state)

@@ -105,6 +105,18 @@ def test_cluster_files_reject_unknown_types_and_duplicate_nodes(tmp_path):
         ClusterSpec.from_file(dupes)
 
 
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [(None, "does not exist"), ("nodes: [unclosed", "is not valid YAML/JSON"), ("- just a list", "must be a mapping with 'nodes'")],
+)
+def test_unreadable_cluster_files_are_named(tmp_path, content, message):
+    path = tmp_path / "cluster.yaml"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(FrenzyError, match=f"cluster file {path} {message}"):
+        ClusterSpec.from_file(path)
+
+
 def test_cluster_can_declare_gpu_types_the_catalog_lacks(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(

@@ -13,7 +13,7 @@ def allocate(candidates: list[PlanCandidate], state: ClusterState) -> Allocation
     """``candidates`` as ``candidate_plans`` returns them (priority order)."""
     cluster = state.cluster
     if not candidates:
-        raise NoFeasiblePlan(f"no GPU type in cluster {cluster.name!r} supports the requested precision")
+        raise NoFeasiblePlan(f"no candidate plans for cluster {cluster.name!r}")
     feasible = [c for c in candidates if c.fits]
     if not feasible:
         smallest = min(candidates, key=lambda c: c.memory.peak_bytes)

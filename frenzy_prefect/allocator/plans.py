@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from frenzy_prefect.allocator.step_time import step_time_s
+from frenzy_prefect.errors import NoFeasiblePlan
 from frenzy_prefect.memory.analytic import estimate
 from frenzy_prefect.spec.cluster import ClusterSpec, GpuType
 from frenzy_prefect.spec.model import ModelSpec
@@ -49,10 +50,16 @@ def candidate_plans(model: ModelSpec, request: TrainingRequest, cluster: Cluster
     """All candidates, fitting ones first, each group by predicted step time, then fewer GPUs,
     fewer accumulation steps, no recomputation."""
     workload = {"global_batch": request.global_batch, "seq_len": request.seq_len, "precision": request.precision}
+    kinds = gpu_kinds(cluster)
+    if request.precision == "bf16":
+        kinds = {name: kind for name, kind in kinds.items() if kind[0].supports_bf16}
+        if not kinds:
+            raise NoFeasiblePlan(
+                f"precision bf16 needs GPUs with bf16 support, and cluster {cluster.name!r} has none "
+                f"({', '.join(gpu_kinds(cluster))}); request fp16 or fp32"
+            )
     out: list[PlanCandidate] = []
-    for name, (gpu, total, largest) in gpu_kinds(cluster).items():
-        if request.precision == "bf16" and not gpu.supports_bf16:
-            continue
+    for name, (gpu, total, largest) in kinds.items():
         for plan in engine_plans(request.global_batch, total):
             link = gpu.link_gbps if plan.gpus <= largest else cluster.network_gbps
             out.append(

@@ -8,6 +8,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
+from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.units import GIB
 
 
@@ -78,9 +79,15 @@ class ClusterSpec(BaseModel):
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ClusterSpec":
-        data: Any = yaml.safe_load(Path(path).read_text())
+        """A YAML or JSON cluster file; FrenzyError if it is missing or not a mapping."""
+        try:
+            data: Any = yaml.safe_load(Path(path).read_text())
+        except FileNotFoundError:
+            raise FrenzyError(f"cluster file {path} does not exist") from None
+        except yaml.YAMLError as exc:
+            raise FrenzyError(f"cluster file {path} is not valid YAML/JSON: {exc}".replace("\n", " ")) from None
         if not isinstance(data, dict):
-            raise ValueError(f"{path}: a cluster file is a mapping with 'nodes' (and optional 'name', 'gpu_types')")
+            raise FrenzyError(f"cluster file {path} must be a mapping with 'nodes' (and optional 'name', 'gpu_types')")
         data.setdefault("name", Path(path).stem)
         return cls.model_validate(data)
 
