@@ -96,6 +96,7 @@ def estimate_memory(model: ModelSpec, request: TrainingRequest, state: ClusterSt
 def allocate(candidates: list[PlanCandidate], state: ClusterState) -> Allocation:
     """HAS: the first plan the free GPUs can hold, bin-packed onto nodes. Nothing starts if none fits."""
     chosen = allocator.allocate(candidates, state)
+    breakdown = _breakdown_row(chosen.memory.peak_stage)
     placed = ", ".join(f"{p.node} GPUs {p.gpus}" for p in chosen.placements)
     create_markdown_artifact(
         key="allocation",
@@ -105,9 +106,9 @@ def allocate(candidates: list[PlanCandidate], state: ClusterState) -> Allocation
             f"- placement: {placed}\n"
             f"- predicted peak memory per GPU: {gib(chosen.memory.peak_bytes)} GiB of {gib(chosen.gpu_memory_bytes)} GiB\n"
             f"- predicted step time: {chosen.step_time_s:.4g} s\n\n"
-            + "| " + " | ".join(_breakdown_row(chosen.memory.peak_stage)) + " |\n"
-            + "|" + "---|" * 6 + "\n"
-            + "| " + " | ".join(_breakdown_row(chosen.memory.peak_stage).values()) + " |\n"
+            + "| " + " | ".join(breakdown) + " |\n"
+            + "|" + "---|" * len(breakdown) + "\n"
+            + "| " + " | ".join(breakdown.values()) + " |\n"
         ),
         description="The plan and placement chosen for this run",
     )
