@@ -13,7 +13,7 @@ Assumptions (to be calibrated from measured step times):
 
 from __future__ import annotations
 
-from frenzy_prefect.memory.analytic import ACTIVATION_BYTES, MASTER_BYTES, stage_parameters
+from frenzy_prefect.memory.analytic import COMPUTE_BYTES, FP32, stage_parameters
 from frenzy_prefect.spec.cluster import GpuType
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import ParallelPlan
@@ -46,9 +46,9 @@ def step_time_s(
     compute = tokens * per_token / (plan.gpus * peak * ACHIEVABLE_FRACTION)
     compute *= 1 + (plan.pp - 1) / accumulation
 
-    grads = MASTER_BYTES * max(stage_parameters(model, plan, s) for s in range(plan.pp))
+    grads = FP32 * max(stage_parameters(model, plan, s) for s in range(plan.pp))
     dp_comm = _ring_all_reduce_s(grads, plan.dp, link_gbps)
     layers_per_stage = -(-model.layers // plan.pp)
-    activation = seq_len * plan.micro_batch * model.hidden * ACTIVATION_BYTES[precision]
+    activation = seq_len * plan.micro_batch * model.hidden * COMPUTE_BYTES[precision]
     tp_comm = 4 * layers_per_stage * accumulation * _ring_all_reduce_s(activation, plan.tp, link_gbps)
     return compute + dp_comm + tp_comm

@@ -39,6 +39,14 @@ class ParallelPlan(BaseModel):
             )
         return global_batch // per_step
 
+    def coordinates(self, rank: int) -> tuple[int, int, int]:
+        """(pipeline stage, data-parallel replica, tensor-parallel rank) of a global rank; ranks
+        are numbered stage-major with tensor parallelism innermost, so a TP group is adjacent."""
+        return rank // (self.dp * self.tp), rank // self.tp % self.dp, rank % self.tp
+
+    def rank_of(self, stage: int, replica: int, tp_rank: int) -> int:
+        return (stage * self.dp + replica) * self.tp + tp_rank
+
     def label(self) -> str:
         return (
             f"dp={self.dp} tp={self.tp} pp={self.pp} mb={self.micro_batch} "

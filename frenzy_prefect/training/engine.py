@@ -1,0 +1,262 @@
+"""The training engine: this rank's share of one optimizer step under any parallel plan.
+
+- ZeRO 0: the project's GPT, sharded Megatron-style over ``tp`` and into ``pp`` stages run with
+  the 1F1B schedule (Narayanan et al. 2021), gradients averaged over ``dp`` after the last
+  micro-batch. The schedule is written here rather than taken from torch.distributed.pipelining
+  because that module's backward (``autograd.grad`` over stage inputs) cannot run under
+  MemTracker, which must measure this engine.
+- ZeRO 1-3: DeepSpeed's engine over ``dp`` ranks (no tp or pp), with the same model.
+Bf16 and fp16 use torch autocast over fp32 weights in both paths, so activations are alike.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from frenzy_prefect.errors import FrenzyError
+from frenzy_prefect.memory.analytic import zero_bucket_elements
+from frenzy_prefect.spec.model import ModelSpec
+from frenzy_prefect.spec.plan import ParallelPlan
+from frenzy_prefect.spec.request import OptimizerSettings, Precision
+from frenzy_prefect.training.gpt import GPT, is_tp_sharded, shard_state
+from frenzy_prefect.training.tensor_parallel import TensorParallel
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+
+def check_engine_plan(plan: ParallelPlan, precision: Precision) -> None:
+    """Plans the estimator covers but this engine does not run yet, with what would run."""
+    if plan.zero and (plan.tp > 1 or plan.pp > 1):
+        raise FrenzyError(f"zero={plan.zero} runs through DeepSpeed over data parallelism only; use tp=1 and pp=1, or zero=0 with tp/pp")
+    if precision == "fp16" and (plan.tp > 1 or plan.pp > 1 or plan.zero):
+        raise FrenzyError("fp16 loss scaling is implemented for plain data parallelism (tp=1, pp=1, zero=0); use bf16 or fp32")
+
+
+def make_optimizer(params: list[torch.nn.Parameter], settings: OptimizerSettings) -> torch.optim.Optimizer:
+    if settings.name == "sgd":
+        return torch.optim.SGD(params, lr=settings.lr, momentum=settings.momentum, weight_decay=settings.weight_decay)
+    cls = torch.optim.AdamW if settings.name == "adamw" else torch.optim.Adam
+    return cls(params, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay)
+
+
+def zero_config(spec: ModelSpec, plan: ParallelPlan, accumulation: int, settings: OptimizerSettings) -> dict:
+    bucket = zero_bucket_elements(spec)
+    return {
+        "train_micro_batch_size_per_gpu": plan.micro_batch,
+        "gradient_accumulation_steps": accumulation,
+        "gradient_clipping": settings.grad_clip,
+        "steps_per_print": 2**31 - 1,
+        "zero_optimization": {
+            "stage": plan.zero,
+            "reduce_bucket_size": bucket,
+            "allgather_bucket_size": bucket,
+            "stage3_prefetch_bucket_size": bucket,
+            "stage3_param_persistence_threshold": 0,
+            "overlap_comm": False,
+            "contiguous_gradients": True,
+        },
+    }
+
+
+@dataclass
+class Groups:
+    """This rank's process groups: its tensor-parallel group, its data-parallel group (the same
+    stage and tp rank in every replica), and its pipeline neighbours."""
+
+    tp: TensorParallel
+    dp: object
+    prev_rank: int | None
+    next_rank: int | None
+    tied: object  # first and last stage of this pipeline, which share the embedding
+
+    @classmethod
+    def build(cls, plan: ParallelPlan, rank: int) -> "Groups":
+        stage, replica, tp_rank = plan.coordinates(rank)
+        # Every rank creates every group, in the same order (torch.distributed requires it).
+        tp_groups = {(s, d): dist.new_group([plan.rank_of(s, d, t) for t in range(plan.tp)]) for s in range(plan.pp) for d in range(plan.dp)}
+        dp_groups = {(s, t): dist.new_group([plan.rank_of(s, d, t) for d in range(plan.dp)]) for s in range(plan.pp) for t in range(plan.tp)}
+        tied = {(d, t): dist.new_group([plan.rank_of(0, d, t), plan.rank_of(plan.pp - 1, d, t)]) for d in range(plan.dp) for t in range(plan.tp)} if plan.pp > 1 else {}
+        return cls(
+            tp=TensorParallel(rank=tp_rank, size=plan.tp, group=tp_groups[stage, replica]),
+            dp=dp_groups[stage, tp_rank],
+            prev_rank=plan.rank_of(stage - 1, replica, tp_rank) if stage > 0 else None,
+            next_rank=plan.rank_of(stage + 1, replica, tp_rank) if stage < plan.pp - 1 else None,
+            tied=tied.get((replica, tp_rank)),
+        )
+
+
+class Engine:
+    """Builds this rank's model shard and optimizer; ``step`` runs one optimizer step."""
+
+    def __init__(
+        self, spec: ModelSpec, plan: ParallelPlan, *, precision: Precision, optimizer: OptimizerSettings, accumulation: int,
+        seed: int = 0, rank: int = 0, device: torch.device = torch.device("cpu"), lr_factor: Callable[[int], float] = lambda step: 1.0,
+    ):  # fmt: skip
+        check_engine_plan(plan, precision)
+        self.spec, self.plan, self.precision, self.settings, self.device = spec, plan, precision, optimizer, device
+        self.stage, self.replica, _ = plan.coordinates(rank)
+        self.first, self.last = self.stage == 0, self.stage == plan.pp - 1
+        self.amp_dtype = AUTOCAST_DTYPES.get(precision)
+        self.groups = Groups.build(plan, rank) if dist.is_initialized() else None
+        torch.manual_seed(seed)  # the whole model drawn alike on every rank, then sliced
+        full = GPT(spec)
+        tp = self.groups.tp if self.groups else TensorParallel()
+        self.model = GPT(spec, plan.recompute, tp=tp, stage=self.stage, stages=plan.pp)
+        self.model.load_state_dict(shard_state(full.state_dict(), spec, tp, self.stage, plan.pp))
+        del full
+        self.model.to(device)
+        self.optimizer = make_optimizer([p for p in self.model.parameters() if p.requires_grad], optimizer)
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor)
+        self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+        self.deepspeed = self._start_zero(accumulation) if plan.zero else None
+
+    def _start_zero(self, accumulation: int):
+        """Hand model, optimizer and schedule to DeepSpeed's ZeRO engine (its optimizer wraps ours)."""
+        import deepspeed
+
+        # Skip compiling DeepSpeed's shared-memory comm op (minutes on CPU; gloo is used instead).
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
+        engine, _, _, _ = deepspeed.initialize(
+            model=self.model, optimizer=self.optimizer, lr_scheduler=self.schedule,
+            config=zero_config(self.spec, self.plan, accumulation, self.settings),
+        )  # fmt: skip
+        return engine
+
+    def _autocast(self):
+        return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
+
+    def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """One optimizer step over this replica's micro-batches; returns their mean loss (the
+        last stage's; other stages return 0.0)."""
+        if self.deepspeed is not None:
+            return self._zero_step(micro_batches)
+        if self.plan.pp == 1:
+            loss = self._local_step(micro_batches)
+        else:
+            loss = self._pipeline_step(micro_batches)
+        self._reduce_gradients()
+        if self.settings.grad_clip > 0:
+            self.scaler.unscale_(self.optimizer)
+            self._clip_gradients(self.settings.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=False)  # gradient buffers persist, as in Megatron/DeepSpeed
+        self.schedule.step()
+        return loss
+
+    def _zero_step(self, micro_batches) -> float:
+        total = 0.0
+        for x, y in micro_batches:
+            with self._autocast():
+                loss = self.deepspeed(x, y)
+            self.deepspeed.backward(loss)
+            self.deepspeed.step()  # DeepSpeed steps the optimizer at the accumulation boundary
+            total += loss.item()
+        return total / len(micro_batches)
+
+    def _local_step(self, micro_batches) -> float:
+        total = torch.zeros((), device=self.device)
+        for x, y in micro_batches:
+            with self._autocast():
+                loss = self.model(x, y) / len(micro_batches)
+            self.scaler.scale(loss).backward()
+            total += loss.detach()
+        return total.item()
+
+    def _pipeline_step(self, micro_batches) -> float:
+        """1F1B: stage s runs pp - s - 1 warm-up forwards, then alternates one forward and one
+        backward, then drains; each exchange with a neighbour posts its send and receive together."""
+        count = len(micro_batches)
+        warmup = min(self.plan.pp - self.stage - 1, count)
+        shape = (self.plan.micro_batch, micro_batches[0][0].shape[1], self.spec.hidden)
+        in_flight: list[tuple[torch.Tensor | None, torch.Tensor]] = []
+        total = torch.zeros((), device=self.device)
+
+        def forward(i: int, received: torch.Tensor | None) -> torch.Tensor:
+            nonlocal total
+            x, y = micro_batches[i]
+            with self._autocast():
+                out = self.model(x if self.first else received, y if self.last else None)
+            if self.last:
+                out = out / count
+                total += out.detach()
+            in_flight.append((received, out))
+            return out
+
+        def backward(grad: torch.Tensor | None) -> torch.Tensor | None:
+            received, out = in_flight.pop(0)
+            if self.last:
+                self.scaler.scale(out).backward()
+            else:
+                out.backward(grad)
+            return None if self.first else received.grad
+
+        for i in range(warmup):
+            out = forward(i, self._exchange(recv_prev=shape))
+            self._exchange(send_next=out)
+        received = self._exchange(recv_prev=shape) if count > warmup else None
+        for i in range(warmup, count):
+            out = forward(i, received)
+            grad = self._exchange(send_next=out, recv_next=shape)
+            grad_in = backward(grad)
+            received = self._exchange(send_prev=grad_in, recv_prev=shape if i < count - 1 else None)
+        for _ in range(warmup):
+            self._exchange(send_prev=backward(self._exchange(recv_next=shape)))
+        return total.item()
+
+    def _exchange(self, send_next=None, send_prev=None, recv_next=None, recv_prev=None) -> torch.Tensor | None:
+        """Post the sends and the receive with the pipeline neighbours, then wait for all of them.
+        Sends to a missing neighbour (past either end of the pipeline) are dropped."""
+        works, received = [], None
+        if send_next is not None and self.groups.next_rank is not None:
+            works.append(dist.isend(send_next.detach().contiguous(), self.groups.next_rank))
+        if send_prev is not None and self.groups.prev_rank is not None:
+            works.append(dist.isend(send_prev.contiguous(), self.groups.prev_rank))
+        peer = self.groups.next_rank if recv_next is not None else self.groups.prev_rank if recv_prev is not None else None
+        if peer is not None:
+            received = torch.empty(recv_next or recv_prev, device=self.device)
+            works.append(dist.irecv(received, peer))
+        for work in works:
+            work.wait()
+        if received is not None and recv_prev is not None:
+            received.requires_grad_()
+        return received
+
+    def _reduce_gradients(self) -> None:
+        """Average over data-parallel replicas; sum the tied embedding's two copies (first and last stage)."""
+        if self.groups is None:
+            return
+        if self.groups.tied is not None and self.spec.tied_embeddings:
+            shared = self.model.tok_emb.weight if self.first else self.model.head.weight
+            dist.all_reduce(shared.grad, group=self.groups.tied)
+        if self.plan.dp > 1:
+            for p in self.model.parameters():
+                dist.all_reduce(p.grad, group=self.groups.dp)
+                p.grad.div_(self.plan.dp)
+
+    def _clip_gradients(self, max_norm: float) -> None:
+        """Clip by the norm of the whole model's gradient: each tensor counted once over the tp
+        ranks that share it and the two copies of a tied embedding."""
+        plan = self.plan
+        squares = torch.zeros((), device=self.device)
+        for name, p in self.model.named_parameters():
+            if self.groups and self.groups.tp.rank > 0 and not is_tp_sharded(name):
+                continue
+            if name == "head.weight" and not self.first and self.spec.tied_embeddings:
+                continue
+            squares += torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32) ** 2
+        if dist.is_initialized() and plan.gpus > 1:
+            dist.all_reduce(squares)
+            squares /= plan.dp
+        scale = (max_norm / (squares.sqrt() + 1e-6)).clamp(max=1.0)
+        for p in self.model.parameters():
+            p.grad.detach().mul_(scale)

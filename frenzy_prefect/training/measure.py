@@ -1,0 +1,192 @@
+"""Measured peak memory: a plan executed by the training engine on real ranks, each rank's
+tensor storage tracked by torch's MemTracker over three optimizer steps (from the second on, the
+steady state: optimizer states exist, gradient buffers persist, ZeRO-3 keeps its gathered weights).
+
+``measure`` starts one process per GPU of the plan with torchrun; each rank writes its peak, by
+category, to a file the caller collects. On CUDA the allocator's own peaks are recorded too.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+from frenzy_prefect.errors import FrenzyError
+from frenzy_prefect.spec.model import ModelSpec
+from frenzy_prefect.spec.plan import MemoryBreakdown, ParallelPlan
+from frenzy_prefect.spec.request import OptimizerSettings, Precision
+from frenzy_prefect.training.distributed import DistributedContext
+
+STEPS = 3
+CATEGORIES = {
+    _MemRefType.PARAM: "params",
+    _MemRefType.BUFFER: "params",
+    _MemRefType.GRAD: "grads",
+    _MemRefType.OPT: "optimizer",
+    _MemRefType.ACT: "activations",
+    _MemRefType.TEMP: "other",
+    _MemRefType.OTH: "other",
+}
+
+
+class Workload(BaseModel):
+    """What one measurement runs: the model, the plan and the training settings."""
+
+    model_config = ConfigDict(frozen=True)
+
+    model: ModelSpec
+    plan: ParallelPlan
+    global_batch: int
+    seq_len: int
+    precision: Precision
+    optimizer: OptimizerSettings
+
+
+class RankMemory(BaseModel):
+    rank: NonNegativeInt
+    stage: NonNegativeInt
+    breakdown: MemoryBreakdown = Field(description="Tensor storage at the peak, by category (MemTracker).")
+    cuda_max_allocated: NonNegativeInt | None = None
+    cuda_max_reserved: NonNegativeInt | None = None
+    cuda_outside_torch: NonNegativeInt | None = Field(
+        default=None, description="Device memory in use that torch's allocator does not hold: CUDA context, library workspaces."
+    )
+
+    @property
+    def device_peak(self) -> int | None:
+        """What the GPU had to hold at the peak: the allocator's reserved peak plus the rest."""
+        if self.cuda_max_reserved is None:
+            return None
+        return self.cuda_max_reserved + (self.cuda_outside_torch or 0)
+
+
+class _InBackward:
+    """Stands in for MemTracker's ModTracker: tells whether autograd is running a backward pass,
+    without module hooks. ModTracker's hooks refuse a module called once per micro-batch and keep
+    a pipeline stage's inputs alive until the step ends, which would inflate what is measured."""
+
+    parents: set[str] = set()
+
+    @property
+    def is_bw(self) -> bool:
+        return torch._C._current_graph_task_id() != -1
+
+    def register_user_hooks(self, *hooks) -> None:
+        pass
+
+    def clear_user_hooks(self) -> None:
+        pass
+
+    def __enter__(self) -> "_InBackward":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+class StepTracker(MemTracker):
+    """MemTracker's storage accounting (every tensor storage created in its context, by category)
+    over whole training steps. Gradients are categorised through hooks on ``modules``' parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mod_tracker = _InBackward()
+
+    def track_modules(self, *modules: torch.nn.Module) -> None:
+        """Categorise these modules' parameters, and (through hooks) their gradients."""
+        for module in modules:
+            self._track_module_params_and_buffers(module, install_grad_hooks=True)
+
+    def restart_peak(self) -> None:
+        """Forget the peak so far (building the model is not training)."""
+        self._peak_mem = {dev: snap["Total"] for dev, snap in self._curr_mem_snap.items()}
+        self._peak_mem_snap = self.get_tracker_snapshot()
+
+
+def peak_breakdown(tracker: MemTracker, device: torch.device) -> MemoryBreakdown:
+    snapshot = tracker.get_tracker_snapshot("peak").get(device, {})
+    parts = dict.fromkeys(("params", "grads", "optimizer", "activations", "other"), 0)
+    for reftype, field in CATEGORIES.items():
+        parts[field] += snapshot.get(reftype, 0)
+    return MemoryBreakdown(**parts)
+
+
+def measure_rank(work: Workload, ctx: DistributedContext) -> RankMemory:
+    """Run this rank's share of ``work`` for STEPS optimizer steps under the tracker."""
+    from frenzy_prefect.training.engine import Engine
+
+    plan = work.plan
+    accumulation = plan.accumulation(work.global_batch)
+    device = ctx.device
+    tracker = StepTracker()
+    generator = torch.Generator().manual_seed(ctx.rank)
+    with tracker:  # from before DeepSpeed's initialize, which allocates its flat buffers
+        engine = Engine(
+            work.model, plan, precision=work.precision, optimizer=work.optimizer, accumulation=accumulation,
+            rank=ctx.rank, device=device,
+        )  # fmt: skip
+        tracker.track_modules(engine.model)
+        tracker.track_external(engine.optimizer)
+        tracker.restart_peak()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        for _ in range(STEPS):
+            batches = []
+            for _ in range(accumulation):
+                ids = torch.randint(0, work.model.vocab_size, (plan.micro_batch, work.seq_len + 1), generator=generator).to(device)
+                batches.append((ids[:, :-1], ids[:, 1:]))
+            engine.step(batches)
+    stage, _, _ = plan.coordinates(ctx.rank)
+    result = RankMemory(rank=ctx.rank, stage=stage, breakdown=peak_breakdown(tracker, device))
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        result.cuda_max_allocated = torch.cuda.max_memory_allocated(device)
+        result.cuda_max_reserved = torch.cuda.max_memory_reserved(device)
+        result.cuda_outside_torch = max(0, total - free - torch.cuda.memory_reserved(device))
+    return result
+
+
+def measure(work: Workload, timeout_s: float = 600) -> list[RankMemory]:
+    """Execute ``work`` on plan.gpus local processes; every rank's measured peak, by rank."""
+    from frenzy_prefect.training.engine import check_engine_plan
+
+    check_engine_plan(work.plan, work.precision)
+    work.plan.accumulation(work.global_batch)
+    if torch.cuda.is_available() and work.plan.gpus > torch.cuda.device_count():
+        raise FrenzyError(f"the plan needs {work.plan.gpus} GPUs and this machine has {torch.cuda.device_count()}")
+    with tempfile.TemporaryDirectory(prefix="frenzy-measure-") as out:
+        (Path(out) / "work.json").write_text(work.model_dump_json())
+        argv = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={work.plan.gpus}",
+            "-m", "frenzy_prefect.training.measure", out,
+        ]  # fmt: skip
+        env = os.environ | {"OMP_NUM_THREADS": "1"}
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout_s)
+        results = sorted(Path(out).glob("rank-*.json"))
+        if done.returncode != 0 or len(results) != work.plan.gpus:
+            tail = "\n".join(done.stderr.strip().splitlines()[-15:])
+            raise FrenzyError(f"measuring {work.plan.label()} failed (exit {done.returncode}):\n{tail}")
+        return sorted((RankMemory.model_validate_json(f.read_text()) for f in results), key=lambda r: r.rank)
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    work = Workload.model_validate_json((out / "work.json").read_text())
+    ctx = DistributedContext.from_env()
+    ctx.init_process_group()
+    try:
+        result = measure_rank(work, ctx)
+    finally:
+        torch.distributed.destroy_process_group()
+    (out / f"rank-{ctx.rank:05d}.json").write_text(result.model_dump_json())
+
+
+if __name__ == "__main__":
+    main()
