@@ -4,6 +4,7 @@ Bad input prints one line on stderr and exits 2; no traceback."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -12,7 +13,7 @@ import typer
 from pydantic import ValidationError
 
 from frenzy_prefect.errors import FrenzyError, describe_validation_error
-from frenzy_prefect.spec.plan import MemoryEstimate, ParallelPlan
+from frenzy_prefect.spec.plan import MemoryBreakdown, ParallelPlan
 from frenzy_prefect.spec.request import TrainingRequest
 from frenzy_prefect.units import gib
 
@@ -45,69 +46,155 @@ def _request(model: str, global_batch: int, seq_len: int, precision: str, optimi
     )  # fmt: skip
 
 
-def memory_json(estimate: MemoryEstimate, plan: ParallelPlan) -> dict[str, Any]:
-    """The estimate/measure schema: peak over ranks, then every rank with its stage's breakdown."""
-    per_rank = []
-    for rank in range(plan.gpus):
-        stage = rank // (plan.dp * plan.tp)  # ranks numbered stage-major, tp innermost
-        b = estimate.per_stage[stage]
-        per_rank.append(
-            {
-                "rank": rank,
-                "stage": stage,
-                "peak_bytes": b.total,
-                "breakdown": b.model_dump(),
-            }
-        )
-    return {"peak_bytes": estimate.peak_bytes, "per_rank": per_rank, "plan": plan.model_dump()}
+def memory_json(plan: ParallelPlan, per_rank: list[tuple[int, MemoryBreakdown]]) -> dict[str, Any]:
+    """The estimate/measure schema: the peak over ranks, then every rank (with its stage) and its breakdown."""
+    ranks = [
+        {"rank": rank, "stage": plan.coordinates(rank)[0], "peak_bytes": b.total, "breakdown": b.model_dump()}
+        for rank, b in per_rank
+    ]
+    return {"peak_bytes": max(r["peak_bytes"] for r in ranks), "per_rank": ranks, "plan": plan.model_dump()}
+
+
+class _Workload:
+    """The options ``estimate`` and ``measure`` share, validated once (DESIGN.md 4: same options, same schema)."""
+
+    def __init__(self, model, dp, tp, pp, micro_batch, global_batch, seq_len, zero, recompute, precision, optimizer, gpu):
+        from frenzy_prefect.memory.analytic import check_plan
+        from frenzy_prefect.profiling.model import resolve_model
+        from frenzy_prefect.spec.catalog import GPU_CATALOG
+
+        self.spec = resolve_model(model, seq_len=seq_len)
+        self.plan = ParallelPlan(dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, zero=zero, recompute=recompute)
+        self.request = _request(model, global_batch or self.plan.dp * self.plan.micro_batch, seq_len or self.spec.max_seq_len, precision, optimizer)
+        if gpu is not None and gpu not in GPU_CATALOG:
+            raise FrenzyError(f"unknown GPU type {gpu!r}; known: {', '.join(GPU_CATALOG)}")
+        self.gpu = GPU_CATALOG[gpu] if gpu else None
+        check_plan(self.spec, self.plan)
+        self.plan.accumulation(self.request.global_batch)
+
+    def header(self) -> str:
+        return f"{self.spec.name} ({self.spec.parameters:,} parameters), {self.plan.label()}, {self.request.precision}"
+
+    def emit(self, per_rank: list[tuple[int, MemoryBreakdown]], as_json: bool) -> None:
+        out = memory_json(self.plan, per_rank) | {"model": self.spec.name, "parameters": self.spec.parameters, "seq_len": self.request.seq_len}
+        if as_json:
+            typer.echo(json.dumps(out))
+            return
+        typer.echo(f"{self.header()}: peak {gib(out['peak_bytes'])} GiB per GPU")
+        for rank, b in per_rank:
+            typer.echo(
+                f"  rank {rank} (stage {self.plan.coordinates(rank)[0]}): params {gib(b.params)}  grads {gib(b.grads)}"
+                f"  optimizer {gib(b.optimizer)}  activations {gib(b.activations)}  other {gib(b.other)}  GiB"
+            )
+
+
+MODEL_ARG = typer.Argument(..., help="Preset name or path/URI of an HF-style config.json.")
+DP = typer.Option(1, "--dp", help="Data-parallel replicas.")
+TP = typer.Option(1, "--tp", help="Tensor-parallel ranks (must divide heads, hidden and ffn).")
+PP = typer.Option(1, "--pp", help="Pipeline stages (1F1B), at most the number of layers.")
+MICRO_BATCH = typer.Option(1, "--micro-batch")
+GLOBAL_BATCH = typer.Option(None, "--global-batch", help="Default: dp * micro-batch.")
+SEQ_LEN = typer.Option(None, "--seq-len", help="Default: the model's max_seq_len.")
+ZERO = typer.Option(0, "--zero", help="ZeRO stage 0-3.")
+RECOMPUTE = typer.Option("none", "--recompute", help="none, selective or full.")
+PRECISION = typer.Option("bf16", "--precision", help="fp32, bf16 or fp16.")
+OPTIMIZER = typer.Option("adamw", "--optimizer", help="adamw, adam or sgd.")
+GPU = typer.Option(None, "--gpu", help="GPU type: adds its calibrated runtime overhead (default: tensors only).")
+JSON = typer.Option(False, "--json")
 
 
 @app.command()
 def estimate(
-    model: str = typer.Argument(..., help="Preset name or path/URI of an HF-style config.json."),
-    dp: int = typer.Option(1, "--dp"),
-    tp: int = typer.Option(1, "--tp"),
-    pp: int = typer.Option(1, "--pp"),
-    micro_batch: int = typer.Option(1, "--micro-batch"),
-    global_batch: Optional[int] = typer.Option(None, "--global-batch", help="Default: dp * micro-batch."),
-    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Default: the model's max_seq_len."),
-    zero: int = typer.Option(0, "--zero", help="ZeRO stage 0-3."),
-    recompute: str = typer.Option("none", "--recompute", help="none, selective or full."),
-    precision: str = typer.Option("bf16", "--precision", help="fp32, bf16 or fp16."),
-    optimizer: str = typer.Option("adamw", "--optimizer", help="adamw, adam or sgd."),
-    gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU type (adds its runtime overhead; default none)."),
-    as_json: bool = typer.Option(False, "--json"),
-) -> None:
-    """Predicted per-GPU peak memory of one plan."""
+    model: str = MODEL_ARG, dp: int = DP, tp: int = TP, pp: int = PP, micro_batch: int = MICRO_BATCH,
+    global_batch: Optional[int] = GLOBAL_BATCH, seq_len: Optional[int] = SEQ_LEN, zero: int = ZERO,
+    recompute: str = RECOMPUTE, precision: str = PRECISION, optimizer: str = OPTIMIZER, gpu: Optional[str] = GPU,
+    as_json: bool = JSON,
+) -> None:  # fmt: skip
+    """Predicted per-GPU peak memory of one plan, per rank and by category."""
     from frenzy_prefect.memory import estimate as predict
+
+    def body() -> None:
+        w = _Workload(model, dp, tp, pp, micro_batch, global_batch, seq_len, zero, recompute, precision, optimizer, gpu)
+        r = w.request
+        result = predict(
+            w.spec, w.plan, global_batch=r.global_batch, seq_len=r.seq_len, precision=r.precision,
+            optimizer_bytes_per_param=r.optimizer.state_bytes_per_parameter, gpu=w.gpu,
+        )  # fmt: skip
+        w.emit([(rank, result.per_stage[w.plan.coordinates(rank)[0]]) for rank in range(w.plan.gpus)], as_json)
+
+    _guarded(body)
+
+
+@app.command()
+def measure(
+    model: str = MODEL_ARG, dp: int = DP, tp: int = TP, pp: int = PP, micro_batch: int = MICRO_BATCH,
+    global_batch: Optional[int] = GLOBAL_BATCH, seq_len: Optional[int] = SEQ_LEN, zero: int = ZERO,
+    recompute: str = RECOMPUTE, precision: str = PRECISION, optimizer: str = OPTIMIZER, gpu: Optional[str] = GPU,
+    as_json: bool = JSON,
+) -> None:  # fmt: skip
+    """The same plan executed here by the training engine (one process per GPU, two steps), with
+    each rank's measured peak by category (MemTracker; on CUDA also the allocator's peaks)."""
+    from frenzy_prefect.training.measure import Workload, measure as run
+
+    def body() -> None:
+        w = _Workload(model, dp, tp, pp, micro_batch, global_batch, seq_len, zero, recompute, precision, optimizer, gpu)
+        r = w.request
+        ranks = run(Workload(model=w.spec, plan=w.plan, global_batch=r.global_batch, seq_len=r.seq_len, precision=r.precision, optimizer=r.optimizer))
+        w.emit([(m.rank, m.breakdown) for m in ranks], as_json)
+
+    _guarded(body)
+
+
+# What `frenzy calibrate` runs on one GPU: sizes from a few hundred MB to tens of GB, both
+# precisions, with and without recomputation, so the fit sees overhead and fragmentation apart.
+CALIBRATION_RUNS = [
+    ("gpt2-small", 4, 1024, "fp32", "none"),
+    ("gpt2-small", 8, 1024, "bf16", "none"),
+    ("gpt2-small", 16, 1024, "bf16", "full"),
+    ("gpt2-medium", 4, 1024, "bf16", "none"),
+    ("gpt2-medium", 8, 1024, "bf16", "selective"),
+    ("gpt2-large", 4, 1024, "bf16", "full"),
+]
+
+
+@app.command()
+def calibrate(
+    gpu: str = typer.Option(..., "--gpu", help="The GPU type this machine has (a catalog name)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Calibration file to update; default: $FRENZY_CALIBRATION or the packaged one."),
+) -> None:
+    """Measure this machine's GPU on a fixed set of runs, fit its overhead and fragmentation, and
+    store them in the calibration file the estimator loads; prints the error before and after."""
+    from frenzy_prefect.memory import estimate as predict
+    from frenzy_prefect.memory.calibration import ENV, PACKAGED, Calibration, GpuConstants, fit, save
     from frenzy_prefect.profiling.model import resolve_model
     from frenzy_prefect.spec.catalog import GPU_CATALOG
 
     def body() -> None:
-        spec = resolve_model(model, seq_len=seq_len)
-        plan = ParallelPlan(dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, zero=zero, recompute=recompute)
-        request = _request(model, global_batch or plan.dp * plan.micro_batch, seq_len or spec.max_seq_len, precision, optimizer)
-        if gpu is not None and gpu not in GPU_CATALOG:
+        import torch
+
+        from frenzy_prefect.training.measure import Workload, measure as run
+
+        if gpu not in GPU_CATALOG:
             raise FrenzyError(f"unknown GPU type {gpu!r}; known: {', '.join(GPU_CATALOG)}")
-        result = predict(
-            spec,
-            plan,
-            global_batch=request.global_batch,
-            seq_len=request.seq_len,
-            precision=request.precision,
-            optimizer_bytes_per_param=request.optimizer.state_bytes_per_parameter,
-            gpu=GPU_CATALOG[gpu] if gpu else None,
-        )
-        out = memory_json(result, plan) | {"model": spec.name, "parameters": spec.parameters, "seq_len": request.seq_len}
-        if as_json:
-            typer.echo(json.dumps(out))
-        else:
-            typer.echo(f"{spec.name} ({spec.parameters:,} parameters), {plan.label()}: peak {gib(result.peak_bytes)} GiB per GPU")
-            for stage, b in enumerate(result.per_stage):
-                typer.echo(
-                    f"  stage {stage}: params {gib(b.params)}  grads {gib(b.grads)}  optimizer {gib(b.optimizer)}"
-                    f"  activations {gib(b.activations)}  other {gib(b.other)}  GiB"
-                )
+        if not torch.cuda.is_available():
+            raise FrenzyError("calibration measures a GPU and this machine has no CUDA device; the constants stay documented assumptions")
+        path = out or os.environ.get(ENV) or PACKAGED
+        current = Calibration.load(path) if Path(path).exists() else Calibration()
+        neutral, tensors, measured, assumed = Calibration(gpus={gpu: GpuConstants()}), [], [], []
+        for model, batch, seq_len, precision, recompute in CALIBRATION_RUNS:
+            spec, plan_ = resolve_model(model, seq_len=seq_len), ParallelPlan(micro_batch=batch, recompute=recompute)
+            kwargs = dict(global_batch=batch, seq_len=seq_len, precision=precision, optimizer_bytes_per_param=8, gpu=GPU_CATALOG[gpu])
+            (rank,) = run(Workload(model=spec, plan=plan_, global_batch=batch, seq_len=seq_len, precision=precision, optimizer={"name": "adamw"}))
+            tensors.append(predict(spec, plan_, **kwargs, calibration=neutral).peak_bytes)
+            assumed.append(predict(spec, plan_, **kwargs, calibration=Calibration()).peak_bytes)
+            measured.append(rank.device_peak)
+            typer.echo(f"{model} mb={batch} seq={seq_len} {precision} recompute={recompute}: device peak {gib(rank.device_peak)} GiB")
+        constants = fit(tensors, measured, note=f"{len(measured)} runs of `frenzy calibrate` on {torch.cuda.get_device_name()}")
+        save(current.model_copy(update={"gpus": current.gpus | {gpu: constants}}), path)
+        for label, predicted in (("before (catalog assumption)", assumed), ("after (fitted)", [round(constants.fragmentation * t) + constants.overhead_bytes for t in tensors])):
+            errors = sorted(abs(p - m) / m for p, m in zip(predicted, measured, strict=True))
+            typer.echo(f"{label}: median error {errors[len(errors) // 2]:.2%}, worst {errors[-1]:.2%}")
+        typer.echo(f"{gpu}: overhead {gib(constants.overhead_bytes)} GiB, fragmentation x{constants.fragmentation:.4f} -> {path}")
 
     _guarded(body)
 

@@ -112,6 +112,11 @@ def allocate(candidates: list[PlanCandidate], state: ClusterState) -> Allocation
         ),
         description="The plan and placement chosen for this run",
     )
+    create_table_artifact(
+        key="chosen-plan-memory",
+        table=[{"stage": str(stage), **_breakdown_row(b)} for stage, b in enumerate(chosen.memory.per_stage)],
+        description=f"Predicted peak memory per GPU of the chosen plan ({chosen.plan.label()} on {chosen.gpu_type}), itemised per pipeline stage",
+    )
     get_run_logger().info(f"Allocated {chosen.plan.gpus} x {chosen.gpu_type} ({chosen.plan.label()}) on {placed}")
     return chosen
 

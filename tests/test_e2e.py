@@ -93,7 +93,9 @@ def test_a_request_is_trained_on_the_chosen_gpus_through_the_worker(stack, runs,
     with stack.client_settings(), get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])))
         logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[training.id])))
-    assert {"memory-estimates", "allocation", "loss-curve", "training-report"} <= {x.key for x in artifacts}
+    assert {"memory-estimates", "allocation", "chosen-plan-memory", "loss-curve", "training-report"} <= {x.key for x in artifacts}
+    (chosen,) = [x for x in artifacts if x.key == "chosen-plan-memory"]
+    assert "activations GiB" in str(chosen.data) and "optimizer GiB" in str(chosen.data)
     progress = [log.message for log in logs if log.message.startswith("step ")]
     assert progress[0].startswith("step 1/30 loss") and progress[-1].startswith("step 30/30 loss")
 
