@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from frenzy_prefect.errors import FrenzyError
-from frenzy_prefect.memory import estimate
+from frenzy_prefect.memory import estimate, peak_bytes
 from frenzy_prefect.memory.calibration import Calibration, GpuConstants, fit
 from frenzy_prefect.profiling.model import PRESETS
 from frenzy_prefect.spec.catalog import GPU_CATALOG
@@ -122,7 +122,7 @@ plans = st.builds(
     ParallelPlan,
     dp=st.sampled_from([1, 2, 4, 8]),
     tp=st.sampled_from([1, 2, 4]),
-    pp=st.sampled_from([1, 2, 4]),
+    pp=st.sampled_from([1, 2, 4, 12]),
     micro_batch=st.sampled_from([1, 2, 4]),
     recompute=st.sampled_from(["none", "selective", "full"]),
 )
@@ -163,3 +163,13 @@ def test_recomputation_never_needs_more_activation_memory(plan):
 def test_splitting_the_model_never_adds_parameters_per_gpu(plan):
     whole = _predict(plan.model_copy(update={"tp": 1, "pp": 1})).per_stage[0].params
     assert max(b.params for b in _predict(plan).per_stage) <= whole
+
+
+@settings(max_examples=200, deadline=None)
+@given(plans, st.sampled_from(["fp32", "bf16"]), st.booleans())
+def test_the_search_path_finds_the_itemised_peak(plan, precision, on_gpu):
+    # peak_bytes skips the middle pipeline stages, claiming the second bounds them.
+    model = PRESETS["gpt2-small"]
+    kwargs = dict(global_batch=64 * plan.dp * plan.micro_batch, seq_len=128, precision=precision, optimizer_bytes_per_param=8,
+                  gpu=GPU_CATALOG["A100-80GB"] if on_gpu else None)  # fmt: skip
+    assert peak_bytes(model, plan, **kwargs) == estimate(model, plan, **kwargs).peak_bytes

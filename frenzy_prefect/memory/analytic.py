@@ -22,10 +22,12 @@ ZeRO stages partition what DeepSpeed partitions over ``dp``; see ``zero_states``
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from functools import lru_cache
 from typing import NamedTuple
 
 from frenzy_prefect.errors import FrenzyError
-from frenzy_prefect.memory.calibration import Calibration, default_calibration
+from frenzy_prefect.memory.calibration import Calibration, GpuConstants, default_calibration
 from frenzy_prefect.spec.cluster import GpuType
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import MemoryBreakdown, MemoryEstimate, ParallelPlan
@@ -50,12 +52,14 @@ def check_plan(model: ModelSpec, plan: ParallelPlan) -> None:
         raise FrenzyError(f"zero={plan.zero} is modelled as DeepSpeed runs it here, over data parallelism only; use tp=1 and pp=1, or zero=0 with tp/pp")
 
 
-def stage_layer_counts(layers: int, pp: int) -> list[int]:
+@lru_cache(maxsize=1024)
+def stage_layer_counts(layers: int, pp: int) -> tuple[int, ...]:
     """Layers per pipeline stage; the first stages take the remainder."""
     base, extra = divmod(layers, pp)
-    return [base + (1 if s < extra else 0) for s in range(pp)]
+    return tuple(base + (1 if s < extra else 0) for s in range(pp))
 
 
+@lru_cache(maxsize=1024)
 def layer_parameters(model: ModelSpec, tp: int) -> tuple[int, int]:
     """(all, matrices and biases of the linear layers) of one block on tensor-parallel rank 0:
     QKV and MLP-in split by columns, the projections by rows (their biases kept on rank 0)."""
@@ -89,6 +93,14 @@ def largest_tensor(model: ModelSpec, plan: ParallelPlan, stage: int) -> int:
     return max(sizes)
 
 
+@lru_cache(maxsize=4096)
+def stage_shapes(model: ModelSpec, tp: int, pp: int) -> tuple[tuple[int, int, int], ...]:
+    """Per pipeline stage: (layers, parameters, largest parameter tensor) of one of its ranks."""
+    plan = ParallelPlan(tp=tp, pp=pp)
+    counts = stage_layer_counts(model.layers, pp)
+    return tuple((counts[s], stage_parameters(model, plan, s), largest_tensor(model, plan, s)) for s in range(pp))
+
+
 def zero_bucket_elements(model: ModelSpec) -> int:
     """DeepSpeed's communication buckets, sized to the model as the Hugging Face integration's
     "auto" does (hidden^2 elements) rather than DeepSpeed's 5e8-element GPU defaults."""
@@ -115,31 +127,85 @@ def partition_overlap(sizes: list[int], part: int, rank: int) -> int:
     return total
 
 
+class ZeroLayout(NamedTuple):
+    """How DeepSpeed lays a model's parameters over ``dp`` ranks (elements)."""
+
+    total: int  # N
+    padded: int  # stages 1-2: N padded to a multiple of 2 * dp
+    part: int  # stages 1-2: each rank's slice of the flattened parameters
+    # Stages 1-2 differ between ranks only by the tensors overlapping their slice (G_in) and by
+    # whether the slice holds the last block (reduced early in the backward): the largest G_in of
+    # the ranks that do and of those that do not are all the ranks' peaks need.
+    overlap_tail: int
+    overlap_rest: int
+    part3: int  # stage 3: each rank's share, every tensor split on its own
+    largest_part3: int
+    largest: int
+
+
+def head_parameters_first_reduced(model: ModelSpec) -> int:
+    """The final norm and an untied head: their gradients come first in the backward."""
+    return 2 * model.hidden + (0 if model.tied_embeddings else model.vocab_size * model.hidden)
+
+
+@lru_cache(maxsize=4096)
+def zero_layout(model: ModelSpec, dp: int) -> ZeroLayout:
+    sizes = parameter_sizes(model)
+    n = sum(sizes)
+    padded = math.ceil(n / (2 * dp)) * 2 * dp
+    part = padded // dp
+    tail = head_parameters_first_reduced(model) + model.layer_parameters
+    overlaps = [(partition_overlap(sizes, part, rank), (rank + 1) * part > n - tail) for rank in range(dp)]
+    return ZeroLayout(
+        total=n,
+        padded=padded,
+        part=part,
+        overlap_tail=max((o for o, owns in overlaps if owns), default=-1),
+        overlap_rest=max((o for o, owns in overlaps if not owns), default=-1),
+        part3=sum(math.ceil(x / dp) for x in sizes),
+        largest_part3=max(math.ceil(x / dp) for x in sizes),
+        largest=max(sizes),
+    )
+
+
 class Moments(NamedTuple):
     """(saved activations, transient bytes) at the candidate peaks of one rank's forward and backward."""
 
-    before_grads: list[tuple[int, int]]  # forward end, logits, loss backward: no parameter gradient yet
+    before_grads: tuple[tuple[int, int], ...]  # forward end, logits, loss backward: no parameter gradient yet
     block: tuple[int, int]  # the last block's backward
     embedding: tuple[int, int] | None  # the embedding's backward (first stage)
     ids: int  # token ids of the step's micro-batches, alive through the optimizer step
 
 
-def activation_moments(model: ModelSpec, plan: ParallelPlan, *, micro_batches: int, seq_len: int, precision: Precision, stage: int) -> Moments:
-    s, b, h, f, a, V, t = seq_len, plan.micro_batch, model.hidden, model.ffn_hidden, model.heads, model.vocab_size, plan.tp
+class MicroBatchTerms(NamedTuple):
+    """Bytes one micro-batch puts on a rank, independent of where the rank sits in the pipeline."""
+
+    saved_layer: int  # what one block keeps for its backward
+    head: int  # what the final norm, head and loss keep (last stage)
+    boundary: int  # a stage's received input, or its output held for the gradient
+    block_temp: int  # the last block's backward: gradient temporaries (and the block re-materialised)
+    cache_layer: int  # autocast's weight copies of one block while only its cache keeps them
+    logits: int  # the logits and their fp32 copy while the loss is computed
+    loss_backward: int  # the loss's two fp32 vocabulary-sized gradients
+    embedding_backward: int  # the residual gradient and the dense embedding gradient
+    ids: int  # one micro-batch's token ids (inputs and shifted targets share one tensor)
+    tied_pending: int  # the head's gradient, waiting for the embedding's when the two are tied
+
+
+@lru_cache(maxsize=4096)
+def micro_batch_terms(model: ModelSpec, tp: int, micro_batch: int, seq_len: int, precision: Precision, recompute: str, zero3: bool) -> MicroBatchTerms:
+    s, b, h, f, a, V, t = seq_len, micro_batch, model.hidden, model.ffn_hidden, model.heads, model.vocab_size, tp
     e = COMPUTE_BYTES[precision]
     half = e < FP32
-    first, last = stage == 0, stage == plan.pp - 1
     sbh, sb, sbV = s * b * h, s * b, s * b * V
-    layers = stage_layer_counts(model.layers, plan.pp)[stage]
     _, linear = layer_parameters(model, t)
 
     # Autocast's half-precision weight copies are saved for the backward by torch's linear layers,
     # but not by ZeRO-3's (DeepSpeed's own linear function saves its fp32 input and weight and
     # casts again in the backward); either way the copies live until the forward ends.
-    saves_copies = half and plan.zero < 3
-    norm_out = e * sbh if plan.zero < 3 else FP32 * sbh  # what the layer after a LayerNorm saves
+    saves_copies = half and not zero3
+    norm_out = FP32 * sbh if zero3 else e * sbh  # what the layer after a LayerNorm saves
 
-    # One block's saved tensors, one micro-batch.
     layer = (
         2 * FP32 * sbh  # block input and the residual after attention (fp32 under autocast)
         + 2 * 2 * FP32 * sb  # LayerNorm means and reciprocal deviations
@@ -149,31 +215,45 @@ def activation_moments(model: ModelSpec, plan: ParallelPlan, *, micro_batches: i
         + (2 * linear if saves_copies else 0)
     )
     lse = FP32 * b * (a // t) * s  # fused attention's log-sum-exp, dropped by selective recompute
-    if plan.recompute == "none":
+    if recompute == "none":
         layer += lse
-    saved_layer = FP32 * sbh if plan.recompute == "full" else layer
-    head = (FP32 * sbh + 2 * FP32 * sb + norm_out + (2 * V * h if saves_copies else 0) + FP32 * sbV) if last else 0
-    micro = layers * saved_layer + head
-    micro += FP32 * sbh * ((not first) + (not last))  # received input, output held for its gradient
-    in_flight = min(plan.pp - stage, micro_batches)
-    ids = micro_batches * b * (s + 1) * INDEX
-    held = (in_flight - 1) * micro + ids
-
-    tied_pending = FP32 * V * h if model.tied_embeddings and plan.pp == 1 else 0  # head's gradient waits for the embedding's
-    block_temp = FP32 * sbh + tied_pending + e * (s * b * f + h * f) // t + e * h
-    if plan.recompute == "full":  # the block re-materialised whole (its input is already saved)
+    block_temp = FP32 * sbh + e * (s * b * f + h * f) // t + e * h
+    if recompute == "full":  # the block re-materialised whole (its input is already saved)
         block_temp += layer + lse - FP32 * sbh
     if half and not saves_copies:  # ZeRO-3 casts one weight again in the backward
         block_temp += 2 * h * f // t
-    # Autocast caches its weight copies until the forward ends; under full recomputation nothing
-    # else keeps them, so they are extra until then. (ZeRO-3's gathered weights are cast anew.)
-    cache = layers * 2 * linear if half and plan.recompute == "full" and saves_copies else 0
-    before = [(held + micro, cache)]
+    return MicroBatchTerms(
+        saved_layer=FP32 * sbh if recompute == "full" else layer,
+        head=FP32 * sbh + 2 * FP32 * sb + norm_out + (2 * V * h if saves_copies else 0) + FP32 * sbV,
+        boundary=FP32 * sbh,
+        block_temp=block_temp,
+        # Under full recomputation nothing but autocast's cache keeps the copies until the forward
+        # ends. (ZeRO-3's gathered weights are cast anew each time.)
+        cache_layer=2 * linear if half and recompute == "full" and saves_copies else 0,
+        logits=(FP32 + e if half else FP32) * sbV,
+        loss_backward=2 * FP32 * sbV,
+        embedding_backward=FP32 * sbh + FP32 * V * h,
+        ids=b * (s + 1) * INDEX,
+        tied_pending=FP32 * V * h if model.tied_embeddings else 0,
+    )
+
+
+def activation_moments(terms: MicroBatchTerms, plan: ParallelPlan, *, layers: int, micro_batches: int, stage: int) -> Moments:
+    """The candidate peaks of a rank of ``stage`` holding ``layers``: 1F1B keeps
+    min(pp - stage, micro-batches) of its micro-batches in flight, the oldest in its backward."""
+    first, last = stage == 0, stage == plan.pp - 1
+    head = terms.head if last else 0
+    micro = layers * terms.saved_layer + head + terms.boundary * ((not first) + (not last))
+    ids = micro_batches * terms.ids
+    held = (min(plan.pp - stage, micro_batches) - 1) * micro + ids
+    pending = terms.tied_pending if plan.pp == 1 else 0
+    cache = layers * terms.cache_layer
     if last:
-        before.append((held + micro, cache + (FP32 + e if half else FP32) * sbV))  # logits and their fp32 copy
-        before.append((held + micro, 2 * FP32 * sbV))  # loss backward
-    embedding = (held, FP32 * sbh + tied_pending + FP32 * V * h) if first else None
-    return Moments(before, (held + micro - head, block_temp), embedding, ids)
+        before = ((held + micro, cache), (held + micro, cache + terms.logits), (held + micro, terms.loss_backward))
+    else:
+        before = ((held + micro, cache),)
+    embedding = (held, terms.embedding_backward + pending) if first else None
+    return Moments(before, (held + micro - head, terms.block_temp + pending), embedding, ids)
 
 
 def adam_temporaries(tensor_elements: int, optimizer_bytes_per_param: int, on_gpu: bool) -> int:
@@ -183,6 +263,53 @@ def adam_temporaries(tensor_elements: int, optimizer_bytes_per_param: int, on_gp
     if optimizer_bytes_per_param < 8:
         return 0
     return FP32 * tensor_elements * (1 if on_gpu else 2)
+
+
+Breakdown = tuple[int, int, int, int, int]  # params, grads, optimizer, saved activations, transient
+
+
+def stage_peaks(
+    model: ModelSpec, plan: ParallelPlan, *, global_batch: int, seq_len: int, precision: Precision, optimizer_bytes_per_param: int,
+    on_gpu: bool, stages: Sequence[int] | None = None,
+) -> list[Breakdown]:  # fmt: skip
+    """The tensors at the peak of a rank of each of ``stages`` (default: every pipeline stage), as
+    plain tuples."""
+    check_plan(model, plan)
+    micro_batches = plan.accumulation(global_batch)
+    terms = micro_batch_terms(model, plan.tp, plan.micro_batch, seq_len, precision, plan.recompute, plan.zero == 3)
+    shapes = stage_shapes(model, plan.tp, plan.pp)
+    out = []
+    for stage in range(plan.pp) if stages is None else stages:
+        layers, params, largest = shapes[stage]
+        moments = activation_moments(terms, plan, layers=layers, micro_batches=micro_batches, stage=stage)
+        if plan.zero:
+            out.append(_zero_peak(model, plan, moments, micro_batches, optimizer_bytes_per_param, on_gpu))
+            continue
+        step = (moments.ids, adam_temporaries(params if on_gpu else largest, optimizer_bytes_per_param, on_gpu))
+        saved, transient = max((*moments.before_grads, moments.block, moments.embedding or step, step), key=sum)
+        out.append((FP32 * params, FP32 * params, optimizer_bytes_per_param * params, saved, transient))
+    return out
+
+
+def _runtime(constants: GpuConstants, tensors: int) -> int:
+    return constants.overhead_bytes + math.ceil((constants.fragmentation - 1) * tensors)
+
+
+def peak_bytes(
+    model: ModelSpec, plan: ParallelPlan, *, global_batch: int, seq_len: int, precision: Precision, optimizer_bytes_per_param: int,
+    gpu: GpuType | None = None, calibration: Calibration | None = None,
+) -> int:  # fmt: skip
+    """The predicted peak of ``plan``'s most loaded GPU, without the itemised breakdown."""
+    constants = (calibration or default_calibration()).for_gpu(gpu)
+    # The middle stages' peaks fall with their index (fewer micro-batches in flight, no more
+    # layers), so the first, second and last stages bound them all.
+    pp = plan.pp
+    peaks = stage_peaks(
+        model, plan, global_batch=global_batch, seq_len=seq_len, precision=precision,
+        optimizer_bytes_per_param=optimizer_bytes_per_param, on_gpu=gpu is not None, stages=(0, 1, pp - 1) if pp > 2 else range(pp),
+    )  # fmt: skip
+    tensors = max(sum(p) for p in peaks)
+    return tensors + _runtime(constants, tensors)
 
 
 def estimate(
@@ -196,35 +323,26 @@ def estimate(
     gpu: GpuType | None = None,
     calibration: Calibration | None = None,
 ) -> MemoryEstimate:
-    """Predicted peak bytes on one GPU of every pipeline stage of ``plan`` (``gpu`` None: the
-    tensors alone, as measured on CPU)."""
-    check_plan(model, plan)
-    micro_batches = plan.accumulation(global_batch)
+    """Predicted peak bytes on one GPU of every pipeline stage of ``plan``, itemised (``gpu``
+    None: the tensors alone, as MemTracker measures them on CPU)."""
     constants = (calibration or default_calibration()).for_gpu(gpu)
-    on_gpu = gpu is not None
-    stages = []
-    for stage in range(plan.pp):
-        moments = activation_moments(model, plan, micro_batches=micro_batches, seq_len=seq_len, precision=precision, stage=stage)
-        if plan.zero:
-            breakdown = _zero_peak(model, plan, moments, micro_batches, optimizer_bytes_per_param, on_gpu)
-        else:
-            params = stage_parameters(model, plan, stage)
-            largest = params if on_gpu else largest_tensor(model, plan, stage)
-            step = (moments.ids, adam_temporaries(largest, optimizer_bytes_per_param, on_gpu))
-            saved, transient = max([*moments.before_grads, moments.block, moments.embedding or step, step], key=sum)
-            breakdown = (FP32 * params, FP32 * params, optimizer_bytes_per_param * params, saved, transient)
-        tensors = sum(breakdown)
-        runtime = constants.overhead_bytes + math.ceil((constants.fragmentation - 1) * tensors)
-        params_b, grads_b, optimizer_b, saved, transient = breakdown
-        # model_construct: every field is a non-negative int by construction; the allocator calls
-        # this for every candidate plan, and validation would cost more than the arithmetic.
-        stages.append(
-            MemoryBreakdown.model_construct(params=params_b, grads=grads_b, optimizer=optimizer_b, activations=saved, other=transient + runtime)
-        )
-    return MemoryEstimate.model_construct(per_stage=stages)
+    peaks = stage_peaks(
+        model, plan, global_batch=global_batch, seq_len=seq_len, precision=precision,
+        optimizer_bytes_per_param=optimizer_bytes_per_param, on_gpu=gpu is not None,
+    )  # fmt: skip
+    # model_construct: every field is a non-negative int by construction; the allocator calls
+    # this for every candidate plan, and validation would cost more than the arithmetic.
+    return MemoryEstimate.model_construct(
+        per_stage=[
+            MemoryBreakdown.model_construct(
+                params=p, grads=g, optimizer=o, activations=saved, other=transient + _runtime(constants, p + g + o + saved + transient)
+            )
+            for p, g, o, saved, transient in peaks
+        ]
+    )
 
 
-def _zero_peak(model: ModelSpec, plan: ParallelPlan, moments: Moments, micro_batches: int, optimizer_bytes_per_param: int, on_gpu: bool) -> tuple[int, int, int, int, int]:
+def _zero_peak(model: ModelSpec, plan: ParallelPlan, moments: Moments, micro_batches: int, optimizer_bytes_per_param: int, on_gpu: bool) -> Breakdown:
     """(params, grads, optimizer, saved, transient) at the peak of the worst data-parallel rank
     under DeepSpeed's ZeRO (tp = pp = 1, fp32 weights), as DeepSpeed 0.19 allocates:
 
@@ -240,46 +358,43 @@ def _zero_peak(model: ModelSpec, plan: ParallelPlan, moments: Moments, micro_bat
       forward until its gradient has arrived; a reduce-scatter of the bucket copies it twice (gloo).
     - the step: the slice's gradient norm in float64, its gradient flattened, Adam's temporaries.
     """
-    dp, sizes, bucket = plan.dp, parameter_sizes(model), FP32 * zero_bucket_elements(model)
-    n, h = sum(sizes), model.hidden
-    embeddings = (model.vocab_size + model.max_seq_len) * h
-    tail = 2 * h + (0 if model.tied_embeddings else model.vocab_size * h) + model.layer_parameters  # gradients by the last block's backward
+    layout, bucket = zero_layout(model, plan.dp), FP32 * zero_bucket_elements(model)
+    n = layout.total
+    embeddings = (model.vocab_size + model.max_seq_len) * model.hidden
+    head = head_parameters_first_reduced(model)
     block, embedding, ids = moments.block, moments.embedding, moments.ids
-    worst = (0, 0, 0, 0, 0)
+    worst: Breakdown = (0, 0, 0, 0, 0)
     if plan.zero == 3:
-        part = sum(math.ceil(x / dp) for x in sizes)
+        part = layout.part3
         states = FP32 * part + optimizer_bytes_per_param * part + 4  # master slice and optimizer states
         grads = FP32 * part + bucket
         flush = 2 * bucket
         candidates = [(FP32 * (part + n), grads, states, saved, transient) for saved, transient in moments.before_grads]
-        released = 2 * h + (0 if model.tied_embeddings else model.vocab_size * h)  # final norm and head, whose gradients are in
-        candidates.append((FP32 * (part + n - released), grads, states, block[0], block[1] + flush))
+        candidates.append((FP32 * (part + n - head), grads, states, block[0], block[1] + flush))
         candidates.append((FP32 * (part + embeddings), grads, states, embedding[0], embedding[1] + flush))
-        largest = max(math.ceil(x / dp) for x in sizes)
-        for step in (8 * largest, FP32 * part + adam_temporaries(part, optimizer_bytes_per_param, on_gpu)):
+        for step in (8 * layout.largest_part3, FP32 * part + adam_temporaries(part, optimizer_bytes_per_param, on_gpu)):
             candidates.append((FP32 * part, grads, states, ids, step))
         return max(candidates, key=sum)
-    padded = math.ceil(n / (2 * dp)) * 2 * dp
-    part = padded // dp
+    padded, part = layout.padded, layout.part
     weights, states = FP32 * padded, FP32 * part + optimizer_bytes_per_param * part + 4
     accumulating = micro_batches > 1  # later micro-batches run while the earlier ones' gradients are kept
-    for rank in range(dp):
-        overlap = FP32 * partition_overlap(sizes, part, rank)
+    for elements, owns_tail in ((layout.overlap_tail, True), (layout.overlap_rest, False)):
+        if elements < 0:  # no rank of this kind
+            continue
+        overlap = FP32 * elements
         if plan.zero == 1:
             kept = FP32 * n if accumulating else 0
             candidates = [(weights, kept, states, saved, transient) for saved, transient in moments.before_grads]
-            candidates.append((weights, (FP32 * n if accumulating else FP32 * tail) + bucket, states, *block))
+            candidates.append((weights, (FP32 * n if accumulating else FP32 * head) + bucket, states, *block))
             candidates.append((weights, (FP32 * n if accumulating else FP32 * (n - embeddings)) + bucket, states, *embedding))
             candidates.append((weights, FP32 * n + bucket + overlap, states, ids, 0))  # end of backward
         else:
             # Accumulating, the slice's gradients so far stay while a second buffer receives this micro-batch's.
             kept = overlap if accumulating else 0
-            owns_tail = (rank + 1) * part > n - tail  # its slice is reduced during the last block's backward
             candidates = [(weights, kept, states, saved, transient) for saved, transient in moments.before_grads]
             candidates.append((weights, bucket + kept + (overlap if owns_tail else 0), states, *block))
             candidates.append((weights, bucket + kept + overlap, states, *embedding))
-        largest = max(x for x in sizes)
-        candidates.append((weights, overlap, states, ids, 8 * largest))  # gradient norm in float64
+        candidates.append((weights, overlap, states, ids, 8 * layout.largest))  # gradient norm in float64
         candidates.append((weights, overlap, states, ids, FP32 * part))  # the slice's gradient flattened
         candidates.append((weights, 0, states, ids, FP32 * part + adam_temporaries(part, optimizer_bytes_per_param, on_gpu)))
         worst = max([worst, *candidates], key=sum)

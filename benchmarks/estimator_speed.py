@@ -1,0 +1,61 @@
+"""How fast MARP's estimator evaluates plans: every (dp, tp, pp, micro-batch, ZeRO, recompute,
+precision) combination the allocator could consider for a model, timed on one core, for the
+search path (``peak_bytes``: the peak only) and the itemised one (``estimate``: a breakdown per
+stage as pydantic objects).
+
+    python -m benchmarks.estimator_speed [--model gpt3-6.7b] [--repeat 5] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+from pathlib import Path
+
+from frenzy_prefect.memory import estimate, peak_bytes
+from frenzy_prefect.profiling.model import PRESETS
+from frenzy_prefect.spec.plan import ParallelPlan
+
+
+def grid(model) -> list[tuple[ParallelPlan, str, int]]:
+    """Valid (plan, precision, global batch) triples: dp up to 64, tp and pp up to 8, the
+    global batch a multiple of dp * micro-batch."""
+    out = []
+    for dp, tp, pp, mb, zero, recompute, precision in itertools.product(
+        (1, 2, 4, 8, 16, 32, 64), (1, 2, 4, 8), (1, 2, 4, 8), (1, 2, 4, 8), (0, 1, 2, 3), ("none", "selective", "full"), ("fp32", "bf16")
+    ):
+        if zero and (tp > 1 or pp > 1):
+            continue
+        out.append((ParallelPlan(dp=dp, tp=tp, pp=pp, micro_batch=mb, zero=zero, recompute=recompute), precision, 1024))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt3-6.7b", choices=sorted(PRESETS))
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--json", type=Path, default=Path("benchmarks/results/estimator_speed.json"))
+    args = parser.parse_args()
+    model = PRESETS[args.model]
+    plans = grid(model)
+    result = {"model": model.name, "seq_len": args.seq_len, "plans": len(plans), "target_plans_per_s": 100_000}
+    print(f"{'function':<12} {'model':<12} {'plans':>7} {'best wall s':>12} {'plans/s':>12}")
+    for fn in (peak_bytes, estimate):
+        best = float("inf")
+        for _ in range(args.repeat):
+            started = time.perf_counter()
+            for plan, precision, global_batch in plans:
+                fn(model, plan, global_batch=global_batch, seq_len=args.seq_len, precision=precision, optimizer_bytes_per_param=8)
+            best = min(best, time.perf_counter() - started)
+        result[fn.__name__] = {"best_wall_s": best, "plans_per_s": len(plans) / best}
+        print(f"{fn.__name__:<12} {model.name:<12} {len(plans):>7} {best:>12.4f} {len(plans) / best:>12,.0f}")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2))
+    print(f"JSON: {args.json}")
+
+
+if __name__ == "__main__":
+    main()

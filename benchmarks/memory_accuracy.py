@@ -1,0 +1,148 @@
+"""MARP's accuracy: predicted vs measured per-GPU peak memory over a grid of plans.
+
+Every configuration is executed by the training engine on real ranks (one process per GPU of
+the plan, gloo on CPU, two optimizer steps, MemTracker) and predicted by ``frenzy_prefect.memory``;
+beside it the Megatron-LM theoretical formula and DeepSpeed's model-state estimator on the same
+configuration (``memory_baselines``). The error of each is (predicted - measured) / measured of
+the peak over ranks. Prints a table, then the summary, and writes JSON.
+
+    python -m benchmarks.memory_accuracy [--only SUBSTRING] [--json benchmarks/results/memory_accuracy.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from benchmarks import memory_baselines
+from frenzy_prefect.memory import estimate
+from frenzy_prefect.profiling.model import PRESETS
+from frenzy_prefect.spec.model import ModelSpec
+from frenzy_prefect.spec.plan import ParallelPlan
+from frenzy_prefect.spec.request import OptimizerSettings
+from frenzy_prefect.training.measure import Workload, measure
+
+NANO = PRESETS["gpt-nano"]  # 4 layers, hidden 128, 4 heads, vocab 256, tied
+MICRO = PRESETS["gpt-micro"]  # 6 layers, hidden 256, 8 heads, vocab 256, tied
+WIDE = ModelSpec(  # untied, a larger vocabulary, an MLP narrower than 4h
+    name="wide-untied", layers=2, hidden=192, heads=6, vocab_size=2048, max_seq_len=128, ffn_hidden=512, tied_embeddings=False
+)
+
+# (model, plan, precision, global batch, sequence length, optimizer)
+GRID: list[tuple[ModelSpec, dict, str, int, int, str]] = [
+    (NANO, {}, "fp32", 4, 128, "adamw"),
+    (NANO, {}, "bf16", 4, 128, "adamw"),
+    (NANO, {"recompute": "selective"}, "bf16", 4, 128, "adamw"),
+    (NANO, {"recompute": "full"}, "fp32", 8, 128, "adamw"),
+    (NANO, {"dp": 2}, "fp32", 8, 128, "sgd"),
+    (NANO, {"tp": 2}, "bf16", 4, 128, "adamw"),
+    (NANO, {"pp": 2}, "fp32", 8, 128, "adamw"),
+    (NANO, {"pp": 2, "recompute": "full"}, "bf16", 8, 128, "adamw"),
+    (NANO, {"dp": 2, "zero": 1}, "fp32", 8, 128, "adamw"),
+    (NANO, {"dp": 2, "zero": 2}, "bf16", 8, 128, "adamw"),
+    (NANO, {"dp": 2, "zero": 3}, "fp32", 8, 128, "adamw"),
+    (MICRO, {}, "bf16", 2, 256, "adamw"),
+    (MICRO, {"recompute": "full"}, "bf16", 4, 256, "adamw"),
+    (MICRO, {"recompute": "selective"}, "fp32", 2, 256, "adamw"),
+    (MICRO, {"dp": 2}, "bf16", 4, 256, "adamw"),
+    (MICRO, {"tp": 2, "recompute": "full"}, "fp32", 2, 256, "adamw"),
+    (MICRO, {"pp": 2}, "bf16", 4, 256, "adamw"),
+    (MICRO, {"dp": 2, "zero": 1}, "bf16", 4, 256, "adamw"),
+    (MICRO, {"dp": 2, "zero": 2}, "fp32", 4, 256, "adamw"),
+    (MICRO, {"dp": 2, "zero": 3, "recompute": "full"}, "bf16", 4, 256, "adamw"),
+    (WIDE, {}, "fp32", 4, 128, "adamw"),
+    (WIDE, {"recompute": "full"}, "bf16", 4, 128, "sgd"),
+    (WIDE, {"tp": 2}, "fp32", 4, 128, "adamw"),
+    (WIDE, {"pp": 2, "recompute": "selective"}, "bf16", 8, 128, "adamw"),
+    (WIDE, {"dp": 2, "zero": 2, "recompute": "selective"}, "bf16", 4, 128, "adamw"),
+    (WIDE, {"dp": 2, "zero": 3}, "fp32", 4, 128, "adamw"),
+    (NANO, {"dp": 2, "pp": 2}, "fp32", 8, 128, "adamw"),
+    (NANO, {"dp": 2, "tp": 2}, "bf16", 8, 128, "adamw"),
+]
+
+
+def error(predicted: int, measured: int) -> float:
+    return (predicted - measured) / measured
+
+
+def run_one(model: ModelSpec, plan_kwargs: dict, precision: str, global_batch: int, seq_len: int, optimizer: str) -> dict:
+    plan = ParallelPlan(**({"micro_batch": 2} | plan_kwargs))
+    settings = OptimizerSettings(name=optimizer)
+    started = time.perf_counter()
+    ranks = measure(Workload(model=model, plan=plan, global_batch=global_batch, seq_len=seq_len, precision=precision, optimizer=settings))
+    wall = time.perf_counter() - started
+    measured = max(r.breakdown.total for r in ranks)
+    predicted = estimate(
+        model, plan, global_batch=global_batch, seq_len=seq_len, precision=precision,
+        optimizer_bytes_per_param=settings.state_bytes_per_parameter,
+    ).peak_bytes  # fmt: skip
+    micro_batches = plan.accumulation(global_batch)
+    megatron = memory_baselines.megatron(model, plan, seq_len=seq_len, precision=precision, micro_batches=micro_batches)
+    deepspeed = memory_baselines.deepspeed(model, plan)
+    return {
+        "model": model.name,
+        "plan": plan.label(),
+        "precision": precision,
+        "optimizer": optimizer,
+        "global_batch": global_batch,
+        "seq_len": seq_len,
+        "measured_bytes": measured,
+        "frenzy_bytes": predicted,
+        "megatron_bytes": megatron,
+        "deepspeed_bytes": deepspeed,
+        "frenzy_error": error(predicted, measured),
+        "megatron_error": error(megatron, measured),
+        "deepspeed_error": error(deepspeed, measured),
+        "per_rank_measured": [r.breakdown.total for r in ranks],
+        "measure_wall_s": round(wall, 1),
+    }
+
+
+def summary(rows: list[dict], key: str) -> dict:
+    errors = [abs(r[key]) for r in rows]
+    return {"median_abs_error": statistics.median(errors), "worst_abs_error": max(errors)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="", help="run configurations whose label contains this text")
+    parser.add_argument("--json", type=Path, default=Path("benchmarks/results/memory_accuracy.json"))
+    args = parser.parse_args()
+    rows = []
+    header = f"{'model':<12} {'plan':<46} {'prec':<5} {'opt':<5} {'measured MiB':>12} {'frenzy':>8} {'megatron':>9} {'deepspeed':>9}"
+    print(header)
+    for model, kwargs, precision, gb, seq, opt in GRID:
+        label = f"{model.name} {ParallelPlan(**({'micro_batch': 2} | kwargs)).label()} {precision} {opt}"
+        if args.only not in label:
+            continue
+        r = run_one(model, kwargs, precision, gb, seq, opt)
+        rows.append(r)
+        print(
+            f"{r['model']:<12} {r['plan']:<46} {precision:<5} {opt:<5} {r['measured_bytes'] / 2**20:>12.3f}"
+            f" {r['frenzy_error']:>+8.2%} {r['megatron_error']:>+9.1%} {r['deepspeed_error']:>+9.1%}",
+            flush=True,
+        )
+    if not rows:
+        sys.exit("no configuration matches --only")
+    result = {
+        "configurations": len(rows),
+        "frenzy": summary(rows, "frenzy_error"),
+        "megatron": summary(rows, "megatron_error"),
+        "deepspeed": summary(rows, "deepspeed_error"),
+        "rows": rows,
+    }
+    print()
+    for name in ("frenzy", "megatron", "deepspeed"):
+        s = result[name]
+        print(f"{name:<10} median |error| {s['median_abs_error']:.2%}   worst |error| {s['worst_abs_error']:.2%}")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2))
+    print(f"\nJSON: {args.json}")
+
+
+if __name__ == "__main__":
+    main()
