@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import time
 from pathlib import Path
 
+from benchmarks import write_result
 from frenzy_prefect.memory import estimate, peak_bytes
 from frenzy_prefect.profiling.model import PRESETS
 from frenzy_prefect.spec.plan import ParallelPlan
@@ -52,9 +52,7 @@ def main() -> None:
             best = min(best, time.perf_counter() - started)
         result[fn.__name__] = {"best_wall_s": best, "plans_per_s": len(plans) / best}
         print(f"{fn.__name__:<12} {model.name:<12} {len(plans):>7} {best:>12.4f} {len(plans) / best:>12,.0f}")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
-    print(f"JSON: {args.json}")
+    write_result(result, args.json)
 
 
 if __name__ == "__main__":

@@ -12,13 +12,12 @@ the peak over ranks. Prints a table, then the summary, and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from benchmarks import memory_baselines
+from benchmarks import memory_baselines, write_result
 from frenzy_prefect.memory import estimate
 from frenzy_prefect.profiling.model import PRESETS
 from frenzy_prefect.spec.model import ModelSpec
@@ -139,9 +138,7 @@ def main() -> None:
     for name in ("frenzy", "megatron", "deepspeed"):
         s = result[name]
         print(f"{name:<10} median |error| {s['median_abs_error']:.2%}   worst |error| {s['worst_abs_error']:.2%}")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
-    print(f"\nJSON: {args.json}")
+    write_result(result, args.json)
 
 
 if __name__ == "__main__":

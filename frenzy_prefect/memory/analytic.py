@@ -16,7 +16,8 @@ Saved activations per layer are counted tensor by tensor for this GPT (pre-Layer
 no dropout, fused causal attention that keeps no scores) rather than with Korthikanti et al.'s
 Table 2, whose constants include dropout masks and attention scores this engine never stores.
 Pipeline stages hold 1F1B's in-flight micro-batches (stage s of p: min(p - s, micro-batches)).
-ZeRO stages partition what DeepSpeed partitions over ``dp``; see ``zero_states``.
+ZeRO stages keep what DeepSpeed 0.19 keeps (``_zero_peak``). ``peak_bytes`` is the search path
+(the peak only); ``estimate`` itemises every stage.
 """
 
 from __future__ import annotations

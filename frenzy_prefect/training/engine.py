@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from frenzy_prefect.errors import FrenzyError
-from frenzy_prefect.memory.analytic import zero_bucket_elements
+from frenzy_prefect.memory.analytic import check_plan, zero_bucket_elements
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import ParallelPlan
 from frenzy_prefect.spec.request import OptimizerSettings, Precision
@@ -30,11 +30,9 @@ from frenzy_prefect.training.tensor_parallel import TensorParallel
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-
-def check_engine_plan(plan: ParallelPlan, precision: Precision) -> None:
-    """Plans the estimator covers but this engine does not run yet, with what would run."""
-    if plan.zero and (plan.tp > 1 or plan.pp > 1):
-        raise FrenzyError(f"zero={plan.zero} runs through DeepSpeed over data parallelism only; use tp=1 and pp=1, or zero=0 with tp/pp")
+def check_engine_plan(spec: ModelSpec, plan: ParallelPlan, precision: Precision) -> None:
+    """The plans the estimator covers (``check_plan``), less what this engine does not run yet."""
+    check_plan(spec, plan)
     if precision == "fp16" and (plan.tp > 1 or plan.pp > 1 or plan.zero):
         raise FrenzyError("fp16 loss scaling is implemented for plain data parallelism (tp=1, pp=1, zero=0); use bf16 or fp32")
 
@@ -99,9 +97,9 @@ class Engine:
         self, spec: ModelSpec, plan: ParallelPlan, *, precision: Precision, optimizer: OptimizerSettings, accumulation: int,
         seed: int = 0, rank: int = 0, device: torch.device = torch.device("cpu"), lr_factor: Callable[[int], float] = lambda step: 1.0,
     ):  # fmt: skip
-        check_engine_plan(plan, precision)
+        check_engine_plan(spec, plan, precision)
         self.spec, self.plan, self.precision, self.settings, self.device = spec, plan, precision, optimizer, device
-        self.stage, self.replica, _ = plan.coordinates(rank)
+        self.stage, _, _ = plan.coordinates(rank)
         self.first, self.last = self.stage == 0, self.stage == plan.pp - 1
         self.amp_dtype = AUTOCAST_DTYPES.get(precision)
         self.groups = Groups.build(plan, rank) if dist.is_initialized() else None

@@ -157,7 +157,7 @@ def measure(work: Workload, timeout_s: float = 600) -> list[RankMemory]:
     """Execute ``work`` on plan.gpus local processes; every rank's measured peak, by rank."""
     from frenzy_prefect.training.engine import check_engine_plan
 
-    check_engine_plan(work.plan, work.precision)
+    check_engine_plan(work.model, work.plan, work.precision)
     work.plan.accumulation(work.global_batch)
     if torch.cuda.is_available() and work.plan.gpus > torch.cuda.device_count():
         raise FrenzyError(f"the plan needs {work.plan.gpus} GPUs and this machine has {torch.cuda.device_count()}")
