@@ -23,7 +23,7 @@ HALF = {"fp32": False, "bf16": True, "fp16": True}
 
 
 def megatron(model: ModelSpec, plan: ParallelPlan, *, seq_len: int, precision: str, micro_batches: int) -> int:
-    s, b, h, a, V, t = seq_len, plan.micro_batch, model.hidden, model.heads, model.vocab_size, plan.tp
+    s, b, h, a, V, t = seq_len, plan.micro_batch, model.hidden, model.heads, model.padded_vocab, plan.tp
     scale = 1 if HALF[precision] else 2  # Table 2 counts 16-bit elements
     if plan.recompute == "full":
         per_layer = 2 * s * b * h
@@ -52,5 +52,5 @@ def deepspeed(model: ModelSpec, plan: ParallelPlan) -> int:
         return 4 * n + 12 * n // gpus
     if plan.zero == 2:
         return 4 * n + 16 * n // gpus
-    largest_layer = max(model.layer_parameters, model.vocab_size * model.hidden)
+    largest_layer = max(model.layer_parameters, model.padded_vocab * model.hidden)
     return 4 * largest_layer + 18 * n // gpus

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.memory import estimate, peak_bytes
+from frenzy_prefect.memory.analytic import parameter_sizes
 from frenzy_prefect.memory.calibration import Calibration, GpuConstants, fit
 from frenzy_prefect.profiling.model import PRESETS
 from frenzy_prefect.spec.catalog import GPU_CATALOG
@@ -41,6 +42,14 @@ def test_model_states_equal_the_real_tensors_after_a_step(name, kwargs, state_by
     )
     b = estimate(NANO, ParallelPlan(micro_batch=2), global_batch=2, seq_len=16, precision="fp32", optimizer_bytes_per_param=state_bytes).per_stage[0]
     assert (b.params, b.grads, b.optimizer) == measured
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_parameter_sizes_follow_the_modules_order_as_deepspeed_flattens_it(tied):
+    spec = NANO.model_copy(update={"tied_embeddings": tied, "vocab_size": 250, "vocab_multiple": 64})
+    with torch.device("meta"):
+        model = GPT(spec)
+    assert parameter_sizes(spec) == [p.numel() for p in model.parameters()]
 
 
 # One configuration per knob, small enough for two CPU cores; each runs on real ranks.

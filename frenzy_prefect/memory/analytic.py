@@ -79,7 +79,7 @@ def stage_parameters(model: ModelSpec, plan: ParallelPlan, stage: int) -> int:
     if stage == plan.pp - 1:
         n += model.head_parameters
         if model.tied_embeddings and plan.pp > 1:
-            n += model.vocab_size * model.hidden
+            n += model.padded_vocab * model.hidden
     return n
 
 
@@ -88,9 +88,9 @@ def largest_tensor(model: ModelSpec, plan: ParallelPlan, stage: int) -> int:
     h, f, t = model.hidden, model.ffn_hidden, plan.tp
     sizes = [3 * h * h // t, f * h // t]
     if stage == 0:
-        sizes += [model.vocab_size * h, model.max_seq_len * h]
+        sizes += [model.padded_vocab * h, model.max_seq_len * h]
     if stage == plan.pp - 1 and (not model.tied_embeddings or plan.pp > 1):
-        sizes.append(model.vocab_size * h)
+        sizes.append(model.padded_vocab * h)
     return max(sizes)
 
 
@@ -111,7 +111,7 @@ def zero_bucket_elements(model: ModelSpec) -> int:
 def parameter_sizes(model: ModelSpec) -> list[int]:
     """Elements of every parameter tensor of the whole model, in ``GPT.parameters()`` order (the
     order DeepSpeed flattens and partitions them in)."""
-    h, f, V = model.hidden, model.ffn_hidden, model.vocab_size
+    h, f, V = model.hidden, model.ffn_hidden, model.padded_vocab
     block = [h, h, 3 * h * h, 3 * h, h * h, h, h, h, f * h, f, h * f, h]
     sizes = [V * h, model.max_seq_len * h] + block * model.layers + [h, h]
     return sizes + ([] if model.tied_embeddings else [V * h])
@@ -146,7 +146,7 @@ class ZeroLayout(NamedTuple):
 
 def head_parameters_first_reduced(model: ModelSpec) -> int:
     """The final norm and an untied head: their gradients come first in the backward."""
-    return 2 * model.hidden + (0 if model.tied_embeddings else model.vocab_size * model.hidden)
+    return 2 * model.hidden + (0 if model.tied_embeddings else model.padded_vocab * model.hidden)
 
 
 @lru_cache(maxsize=4096)
@@ -195,7 +195,7 @@ class MicroBatchTerms(NamedTuple):
 
 @lru_cache(maxsize=4096)
 def micro_batch_terms(model: ModelSpec, tp: int, micro_batch: int, seq_len: int, precision: Precision, recompute: str, zero3: bool) -> MicroBatchTerms:
-    s, b, h, f, a, V, t = seq_len, micro_batch, model.hidden, model.ffn_hidden, model.heads, model.vocab_size, tp
+    s, b, h, f, a, V, t = seq_len, micro_batch, model.hidden, model.ffn_hidden, model.heads, model.padded_vocab, tp
     e = COMPUTE_BYTES[precision]
     half = e < FP32
     sbh, sb, sbV = s * b * h, s * b, s * b * V
@@ -361,7 +361,7 @@ def _zero_peak(model: ModelSpec, plan: ParallelPlan, moments: Moments, micro_bat
     """
     layout, bucket = zero_layout(model, plan.dp), FP32 * zero_bucket_elements(model)
     n = layout.total
-    embeddings = (model.vocab_size + model.max_seq_len) * model.hidden
+    embeddings = model.embedding_parameters
     head = head_parameters_first_reduced(model)
     block, embedding, ids = moments.block, moments.embedding, moments.ids
     worst: Breakdown = (0, 0, 0, 0, 0)

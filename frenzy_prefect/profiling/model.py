@@ -40,6 +40,7 @@ _HF_KEYS: dict[str, tuple[str, ...]] = {
     "max_seq_len": ("n_positions", "max_position_embeddings"),
     "ffn_hidden": ("n_inner", "intermediate_size"),
     "tied_embeddings": ("tie_word_embeddings",),
+    "vocab_multiple": ("make_vocab_size_divisible_by",),
 }
 _REQUIRED = ("layers", "hidden", "heads", "vocab_size", "max_seq_len")
 

@@ -10,7 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 class ModelSpec(BaseModel):
     """A pre-LayerNorm GPT decoder (GPT-2 family): learned positions, GELU MLP, biases.
 
-    Field names follow Megatron's symbols: l layers, h hidden, a heads, V vocabulary.
+    Field names follow Megatron's symbols: l layers, h hidden, a heads, V vocabulary (padded:
+    ``padded_vocab``).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -23,6 +24,10 @@ class ModelSpec(BaseModel):
     max_seq_len: PositiveInt = Field(description="Learned position embeddings (n_positions).")
     ffn_hidden: PositiveInt = Field(description="MLP width; defaults to 4 * hidden.")
     tied_embeddings: bool = True
+    vocab_multiple: PositiveInt = Field(
+        default=1,
+        description="Pad the embedding and head to a multiple of this many rows (Megatron's make_vocab_size_divisible_by).",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -41,6 +46,11 @@ class ModelSpec(BaseModel):
         return self
 
     @property
+    def padded_vocab(self) -> int:
+        """Rows of the embedding and the head: the vocabulary padded to ``vocab_multiple``."""
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
+
+    @property
     def layer_parameters(self) -> int:
         """One transformer block: QKV + projection (4h^2 + 4h), MLP (2hf + f + h), 2 LayerNorms (4h)."""
         h, f = self.hidden, self.ffn_hidden
@@ -49,12 +59,12 @@ class ModelSpec(BaseModel):
     @property
     def embedding_parameters(self) -> int:
         """Token and position embeddings (the first pipeline stage)."""
-        return (self.vocab_size + self.max_seq_len) * self.hidden
+        return (self.padded_vocab + self.max_seq_len) * self.hidden
 
     @property
     def head_parameters(self) -> int:
         """Final LayerNorm plus an untied output projection (the last pipeline stage)."""
-        return 2 * self.hidden + (0 if self.tied_embeddings else self.vocab_size * self.hidden)
+        return 2 * self.hidden + (0 if self.tied_embeddings else self.padded_vocab * self.hidden)
 
     @property
     def parameters(self) -> int:

@@ -79,12 +79,12 @@ class GPT(nn.Module):
         self.first, self.last = stage == 0, stage == stages - 1
         self.recompute_blocks = recompute == "full"
         if self.first:
-            self.tok_emb = nn.Embedding(spec.vocab_size, spec.hidden)
+            self.tok_emb = nn.Embedding(spec.padded_vocab, spec.hidden)
             self.pos_emb = nn.Embedding(spec.max_seq_len, spec.hidden)
         self.blocks = nn.ModuleList(Block(spec, recompute, tp) for _ in stage_layers(spec.layers, stages, stage))
         if self.last:
             self.ln_f = nn.LayerNorm(spec.hidden)
-            self.head = nn.Linear(spec.hidden, spec.vocab_size, bias=False)
+            self.head = nn.Linear(spec.hidden, spec.padded_vocab, bias=False)
             if spec.tied_embeddings and self.first:
                 self.head.weight = self.tok_emb.weight
         if tp.size == 1 and stages == 1:
