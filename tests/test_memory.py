@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.memory import estimate, peak_bytes
-from frenzy_prefect.memory.analytic import parameter_sizes
+from frenzy_prefect.memory.analytic import parameter_sizes, uses_ddp
 from frenzy_prefect.memory.calibration import Calibration, GpuConstants, fit
 from frenzy_prefect.profiling.model import PRESETS
 from frenzy_prefect.spec.catalog import GPU_CATALOG
@@ -58,6 +58,7 @@ MEASURED = [
     ("bf16 autocast, selective", ParallelPlan(micro_batch=2, recompute="selective"), "bf16", 4, "adamw"),
     ("tensor parallel, full recompute", ParallelPlan(tp=2, micro_batch=2, recompute="full"), "bf16", 4, "adamw"),
     ("1F1B pipeline", ParallelPlan(pp=2, micro_batch=1), "fp32", 4, "adamw"),
+    ("data parallel through DDP, full recompute", ParallelPlan(dp=2, micro_batch=1, recompute="full"), "bf16", 4, "adamw"),
     ("DeepSpeed ZeRO-2, accumulating", ParallelPlan(dp=2, micro_batch=1, zero=2), "fp32", 4, "adamw"),
     ("DeepSpeed ZeRO-3, bf16", ParallelPlan(dp=2, micro_batch=2, zero=3), "bf16", 4, "adamw"),
 ]
@@ -77,7 +78,9 @@ def test_the_estimate_matches_the_engines_measured_peak_on_every_rank(name, plan
     for m in measured:
         stage = predicted.per_stage[m.stage]
         assert abs(stage.total - m.breakdown.total) <= 0.03 * m.breakdown.total, (m.rank, stage, m.breakdown)
-        if plan.tp == 1:  # model states are exact (tp: the row-parallel biases live on tp rank 0)
+        # Model states are exact (tp: the row-parallel biases live on tp rank 0; DDP: its bucket
+        # rebuild makes new gradient storage that MemTracker first sees in the forward).
+        if plan.tp == 1 and not uses_ddp(plan):
             assert (stage.params, stage.grads) == (m.breakdown.params, m.breakdown.grads)
 
 

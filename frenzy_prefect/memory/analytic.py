@@ -53,6 +53,13 @@ def check_plan(model: ModelSpec, plan: ParallelPlan) -> None:
         raise FrenzyError(f"zero={plan.zero} is modelled as DeepSpeed runs it here, over data parallelism only; use tp=1 and pp=1, or zero=0 with tp/pp")
 
 
+def uses_ddp(plan: ParallelPlan) -> bool:
+    """Whether the engine reduces gradients through DDP (overlapped with the backward): plain data
+    parallelism. DDP's buckets are the gradients, but it rebuilds them once, in the order the
+    gradients became ready, at the second step's forward: a second set exists for that moment."""
+    return plan.dp > 1 and plan.tp == 1 and plan.pp == 1 and not plan.zero
+
+
 @lru_cache(maxsize=1024)
 def stage_layer_counts(layers: int, pp: int) -> tuple[int, ...]:
     """Layers per pipeline stage; the first stages take the remainder."""
@@ -287,7 +294,8 @@ def stage_peaks(
             out.append(_zero_peak(model, plan, moments, micro_batches, optimizer_bytes_per_param, on_gpu))
             continue
         step = (moments.ids, adam_temporaries(params if on_gpu else largest, optimizer_bytes_per_param, on_gpu))
-        saved, transient = max((*moments.before_grads, moments.block, moments.embedding or step, step), key=sum)
+        rebuild = (moments.ids, FP32 * params if uses_ddp(plan) else 0)
+        saved, transient = max((*moments.before_grads, moments.block, moments.embedding or step, step, rebuild), key=sum)
         out.append((FP32 * params, FP32 * params, optimizer_bytes_per_param * params, saved, transient))
     return out
 

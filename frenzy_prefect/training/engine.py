@@ -14,13 +14,15 @@ from __future__ import annotations
 import importlib
 import logging
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from frenzy_prefect.errors import FrenzyError
-from frenzy_prefect.memory.analytic import check_plan, zero_bucket_elements
+from frenzy_prefect.memory.analytic import check_plan, uses_ddp, zero_bucket_elements
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import ParallelPlan
 from frenzy_prefect.spec.request import OptimizerSettings, Precision
@@ -110,6 +112,14 @@ class Engine:
         self.model.load_state_dict(shard_state(full.state_dict(), spec, tp, self.stage, plan.pp))
         del full
         self.model.to(device)
+        # Plain data parallelism overlaps the gradient all-reduce with the backward through DDP
+        # (its buckets are the gradients: gradient_as_bucket_view); other plans reduce after it.
+        self.ddp = None
+        if self.groups and uses_ddp(plan):
+            self.ddp = DistributedDataParallel(
+                self.model, device_ids=[device.index] if device.type == "cuda" else None,
+                process_group=self.groups.dp, gradient_as_bucket_view=True,
+            )  # fmt: skip
         self.optimizer = make_optimizer([p for p in self.model.parameters() if p.requires_grad], optimizer)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor)
         self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
@@ -163,10 +173,13 @@ class Engine:
 
     def _local_step(self, micro_batches) -> float:
         total = torch.zeros((), device=self.device)
-        for x, y in micro_batches:
-            with self._autocast():
-                loss = self.model(x, y) / len(micro_batches)
-            self.scaler.scale(loss).backward()
+        net = self.ddp or self.model
+        for i, (x, y) in enumerate(micro_batches):
+            # DDP all-reduces during the last micro-batch's backward only.
+            with self.ddp.no_sync() if self.ddp and i < len(micro_batches) - 1 else nullcontext():
+                with self._autocast():
+                    loss = net(x, y) / len(micro_batches)
+                self.scaler.scale(loss).backward()
             total += loss.detach()
         return total.item()
 
@@ -236,7 +249,7 @@ class Engine:
         if self.groups.tied is not None and self.spec.tied_embeddings:
             shared = self.model.tok_emb.weight if self.first else self.model.head.weight
             dist.all_reduce(shared.grad, group=self.groups.tied)
-        if self.plan.dp > 1:
+        if self.plan.dp > 1 and self.ddp is None:
             for p in self.model.parameters():
                 dist.all_reduce(p.grad, group=self.groups.dp)
                 p.grad.div_(self.plan.dp)
