@@ -151,18 +151,13 @@ class ZeroLayout(NamedTuple):
     largest: int
 
 
-def head_parameters_first_reduced(model: ModelSpec) -> int:
-    """The final norm and an untied head: their gradients come first in the backward."""
-    return 2 * model.hidden + (0 if model.tied_embeddings else model.padded_vocab * model.hidden)
-
-
 @lru_cache(maxsize=4096)
 def zero_layout(model: ModelSpec, dp: int) -> ZeroLayout:
     sizes = parameter_sizes(model)
     n = sum(sizes)
     padded = math.ceil(n / (2 * dp)) * 2 * dp
     part = padded // dp
-    tail = head_parameters_first_reduced(model) + model.layer_parameters
+    tail = model.head_parameters + model.layer_parameters  # reduced by the end of the last block's backward
     overlaps = [(partition_overlap(sizes, part, rank), (rank + 1) * part > n - tail) for rank in range(dp)]
     return ZeroLayout(
         total=n,
@@ -370,7 +365,7 @@ def _zero_peak(model: ModelSpec, plan: ParallelPlan, moments: Moments, micro_bat
     layout, bucket = zero_layout(model, plan.dp), FP32 * zero_bucket_elements(model)
     n = layout.total
     embeddings = model.embedding_parameters
-    head = head_parameters_first_reduced(model)
+    head = model.head_parameters  # final norm and untied head: their gradients come first
     block, embedding, ids = moments.block, moments.embedding, moments.ids
     worst: Breakdown = (0, 0, 0, 0, 0)
     if plan.zero == 3:
