@@ -99,7 +99,7 @@ ZERO = typer.Option(0, "--zero", help="ZeRO stage 0-3.")
 RECOMPUTE = typer.Option("none", "--recompute", help="none, selective or full.")
 PRECISION = typer.Option("bf16", "--precision", help="fp32, bf16 or fp16.")
 OPTIMIZER = typer.Option("adamw", "--optimizer", help="adamw, adam or sgd.")
-GPU = typer.Option(None, "--gpu", help="GPU type: adds its calibrated runtime overhead (default: tensors only).")
+GPU = typer.Option(None, "--gpu", help="GPU type: estimate adds its calibrated overhead (default: tensors only); measure only checks the name.")
 JSON = typer.Option(False, "--json")
 
 
