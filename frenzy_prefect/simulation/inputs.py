@@ -1,0 +1,100 @@
+"""The simulator's inputs, read from the public traces in their own formats:
+
+- ElasticFlow job traces (``job_id,submission_time,num_iteration,model_name,deadline,batch_size,
+  num_gpu,duration``; times in seconds);
+- the Alibaba GPU cluster v2023 node list (``sn,cpu_milli,memory_mib,gpu,model``), as a
+  ClusterSpec. Its undisclosed types (G1, G2, G3) must be declared by the caller; V100M16 and
+  V100M32 are the catalog's V100-16GB and V100-32GB.
+
+Bad rows fail with the file, line and column; nothing is skipped silently.
+"""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Iterator
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveInt, ValidationError
+
+from frenzy_prefect.errors import FrenzyError, describe_validation_error
+from frenzy_prefect.spec.cluster import ClusterSpec, GpuType, Node
+
+ALIBABA_ALIASES = {"V100M16": "V100-16GB", "V100M32": "V100-32GB"}
+
+
+class TraceJob(BaseModel):
+    """One job of an ElasticFlow trace, as recorded."""
+
+    model_config = ConfigDict(frozen=True)
+
+    job_id: str
+    submission_time: NonNegativeInt
+    num_iteration: PositiveInt
+    model_name: str
+    deadline: NonNegativeInt
+    batch_size: PositiveInt
+    num_gpu: PositiveInt
+    duration: NonNegativeInt
+
+
+def _rows(path: Path, integer_columns: tuple[str, ...], text_columns: tuple[str, ...]) -> Iterator[tuple[int, dict[str, object]]]:
+    """(line number, row) with the integer columns parsed; a missing column, or a value that is
+    not a non-negative integer, raises naming the file, line and column."""
+    try:
+        handle = path.open(newline="")
+    except OSError as exc:
+        raise FrenzyError(f"cannot read {path}: {exc.strerror}") from None
+    with handle:
+        reader = csv.DictReader(handle)
+        missing = [c for c in (*text_columns, *integer_columns) if c not in (reader.fieldnames or [])]
+        if missing:
+            raise FrenzyError(f"{path}:1: missing column(s) {', '.join(missing)}; the header is {', '.join(reader.fieldnames or [])}")
+        for row in reader:
+            line = reader.line_num
+            parsed: dict[str, object] = {c: (row[c] or "").strip() for c in text_columns}
+            for column in integer_columns:
+                text = (row[column] or "").strip()
+                try:
+                    number = float(text)
+                except ValueError:
+                    raise FrenzyError(f"{path}:{line}: column {column}: {text!r} is not a number") from None
+                if number < 0:
+                    raise FrenzyError(f"{path}:{line}: column {column}: {text} is negative")
+                if not number.is_integer():
+                    raise FrenzyError(f"{path}:{line}: column {column}: {text} is not a whole number")
+                parsed[column] = int(number)
+            yield line, parsed
+
+
+def load_trace(path: str | Path) -> list[TraceJob]:
+    """An ElasticFlow job trace, in submission order."""
+    path = Path(path)
+    integers = ("submission_time", "num_iteration", "deadline", "batch_size", "num_gpu", "duration")
+    jobs = []
+    for line, row in _rows(path, integers, ("job_id", "model_name")):
+        try:
+            jobs.append(TraceJob.model_validate(row))
+        except ValidationError as exc:
+            raise FrenzyError(f"{path}:{line}: {describe_validation_error(exc)}") from None
+    if not jobs:
+        raise FrenzyError(f"{path} holds no jobs")
+    return sorted(jobs, key=lambda j: (j.submission_time, j.job_id))
+
+
+def load_alibaba_nodes(path: str | Path, gpu_types: dict[str, GpuType] | None = None) -> ClusterSpec:
+    """The GPU nodes of an Alibaba v2023 node list (rows without GPUs are left out, being CPU
+    nodes), each as a node of its GPU type; ``gpu_types`` declares types the catalog lacks."""
+    path = Path(path)
+    nodes = []
+    for _, row in _rows(path, ("gpu",), ("sn", "model")):
+        if row["gpu"] == 0:
+            continue
+        model = str(row["model"])
+        nodes.append(Node(name=str(row["sn"]), host=str(row["sn"]), gpu_type=ALIBABA_ALIASES.get(model, model), gpu_count=row["gpu"]))
+    if not nodes:
+        raise FrenzyError(f"{path} lists no GPU nodes")
+    try:
+        return ClusterSpec(name=path.stem, nodes=nodes, gpu_types=gpu_types or {})
+    except ValidationError as exc:
+        raise FrenzyError(f"{path}: {describe_validation_error(exc)}") from None
