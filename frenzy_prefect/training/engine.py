@@ -100,17 +100,20 @@ class Engine:
         seed: int = 0, rank: int = 0, device: torch.device = torch.device("cpu"), lr_factor: Callable[[int], float] = lambda step: 1.0,
     ):  # fmt: skip
         check_engine_plan(spec, plan, precision)
-        self.spec, self.plan, self.precision, self.settings, self.device = spec, plan, precision, optimizer, device
+        self.spec, self.plan, self.settings, self.device = spec, plan, optimizer, device
         self.stage, _, _ = plan.coordinates(rank)
         self.first, self.last = self.stage == 0, self.stage == plan.pp - 1
         self.amp_dtype = AUTOCAST_DTYPES.get(precision)
         self.groups = Groups.build(plan, rank) if dist.is_initialized() else None
-        torch.manual_seed(seed)  # the whole model drawn alike on every rank, then sliced
-        full = GPT(spec)
-        tp = self.groups.tp if self.groups else TensorParallel()
-        self.model = GPT(spec, plan.recompute, tp=tp, stage=self.stage, stages=plan.pp)
-        self.model.load_state_dict(shard_state(full.state_dict(), spec, tp, self.stage, plan.pp))
-        del full
+        torch.manual_seed(seed)  # the whole model drawn alike on every rank (and sliced, when split)
+        if plan.tp == 1 and plan.pp == 1:
+            self.model = GPT(spec, plan.recompute)
+        else:
+            full = GPT(spec)
+            tp = self.groups.tp if self.groups else TensorParallel()
+            self.model = GPT(spec, plan.recompute, tp=tp, stage=self.stage, stages=plan.pp)
+            self.model.load_state_dict(shard_state(full.state_dict(), spec, tp, self.stage, plan.pp))
+            del full
         self.model.to(device)
         # Plain data parallelism overlaps the gradient all-reduce with the backward through DDP
         # (its buckets are the gradients: gradient_as_bucket_view); other plans reduce after it.

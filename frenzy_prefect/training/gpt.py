@@ -15,16 +15,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from frenzy_prefect.memory.analytic import stage_layer_counts
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import Recompute
 from frenzy_prefect.training.tensor_parallel import TensorParallel
 
 
 def stage_layers(layers: int, stages: int, stage: int) -> range:
-    """The layers of one pipeline stage; the first stages take the remainder."""
-    base, extra = divmod(layers, stages)
-    start = stage * base + min(stage, extra)
-    return range(start, start + base + (1 if stage < extra else 0))
+    """The layers of one pipeline stage (the split the memory model counts)."""
+    counts = stage_layer_counts(layers, stages)
+    start = sum(counts[:stage])
+    return range(start, start + counts[stage])
 
 
 class CausalSelfAttention(nn.Module):
@@ -119,7 +120,8 @@ class GPT(nn.Module):
 
 
 def shard_state(full: dict[str, torch.Tensor], spec: ModelSpec, tp: TensorParallel, stage: int, stages: int) -> dict[str, torch.Tensor]:
-    """The whole model's state sliced to one stage and tensor-parallel rank (``GPT`` naming)."""
+    """The whole model's state sliced to one stage and tensor-parallel rank (``GPT`` naming; views
+    of ``full``, for ``load_state_dict`` to copy)."""
     layers = stage_layers(spec.layers, stages, stage)
     out: dict[str, torch.Tensor] = {}
     for name, t in full.items():
@@ -136,7 +138,7 @@ def shard_state(full: dict[str, torch.Tensor], spec: ModelSpec, tp: TensorParall
             out[name] = t
     if stage == stages - 1 and "head.weight" not in out:  # tied head on a later stage than the embedding
         out["head.weight"] = full["tok_emb.weight"]
-    return {k: v.clone() for k, v in out.items()}
+    return out
 
 
 def is_tp_sharded(name: str) -> bool:
