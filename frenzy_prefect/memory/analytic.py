@@ -67,13 +67,20 @@ def stage_layer_counts(layers: int, pp: int) -> tuple[int, ...]:
     return tuple(base + (1 if s < extra else 0) for s in range(pp))
 
 
+def block_tensors(model: ModelSpec, tp: int) -> list[int]:
+    """Elements of one block's parameter tensors on tensor-parallel rank 0, in ``Block`` order:
+    LayerNorm, QKV (column-split), projection (row-split, its bias kept on rank 0), LayerNorm,
+    MLP-in (column-split), MLP-out (row-split, bias on rank 0)."""
+    h, f = model.hidden, model.ffn_hidden
+    return [h, h, 3 * h * h // tp, 3 * h // tp, h * h // tp, h, h, h, f * h // tp, f // tp, h * f // tp, h]
+
+
 @lru_cache(maxsize=1024)
 def layer_parameters(model: ModelSpec, tp: int) -> tuple[int, int]:
-    """(all, matrices and biases of the linear layers) of one block on tensor-parallel rank 0:
-    QKV and MLP-in split by columns, the projections by rows (their biases kept on rank 0)."""
-    h, f = model.hidden, model.ffn_hidden
-    linear = (3 * h * h + 3 * h + h * h + f * h + f + f * h) // tp + 2 * h
-    return linear + 4 * h, linear
+    """(all, those of the linear layers) parameters of one block on tensor-parallel rank 0."""
+    sizes = block_tensors(model, tp)
+    norms = sizes[0] + sizes[1] + sizes[6] + sizes[7]
+    return sum(sizes), sum(sizes) - norms
 
 
 def stage_parameters(model: ModelSpec, plan: ParallelPlan, stage: int) -> int:
@@ -92,8 +99,8 @@ def stage_parameters(model: ModelSpec, plan: ParallelPlan, stage: int) -> int:
 
 def largest_tensor(model: ModelSpec, plan: ParallelPlan, stage: int) -> int:
     """Elements of the largest parameter tensor on a rank of ``stage``."""
-    h, f, t = model.hidden, model.ffn_hidden, plan.tp
-    sizes = [3 * h * h // t, f * h // t]
+    h = model.hidden
+    sizes = block_tensors(model, plan.tp)
     if stage == 0:
         sizes += [model.padded_vocab * h, model.max_seq_len * h]
     if stage == plan.pp - 1 and (not model.tied_embeddings or plan.pp > 1):
@@ -118,9 +125,8 @@ def zero_bucket_elements(model: ModelSpec) -> int:
 def parameter_sizes(model: ModelSpec) -> list[int]:
     """Elements of every parameter tensor of the whole model, in ``GPT.parameters()`` order (the
     order DeepSpeed flattens and partitions them in)."""
-    h, f, V = model.hidden, model.ffn_hidden, model.padded_vocab
-    block = [h, h, 3 * h * h, 3 * h, h * h, h, h, h, f * h, f, h * f, h]
-    sizes = [V * h, model.max_seq_len * h] + block * model.layers + [h, h]
+    h, V = model.hidden, model.padded_vocab
+    sizes = [V * h, model.max_seq_len * h] + block_tensors(model, 1) * model.layers + [h, h]
     return sizes + ([] if model.tied_embeddings else [V * h])
 
 
