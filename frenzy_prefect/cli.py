@@ -55,22 +55,24 @@ def memory_json(plan: ParallelPlan, per_rank: list[tuple[int, MemoryBreakdown]])
     return {"peak_bytes": max(r["peak_bytes"] for r in ranks), "per_rank": ranks, "plan": plan.model_dump()}
 
 
+def _gpu_type(name: str):
+    from frenzy_prefect.spec.catalog import GPU_CATALOG
+
+    if name not in GPU_CATALOG:
+        raise FrenzyError(f"unknown GPU type {name!r}; known: {', '.join(GPU_CATALOG)}")
+    return GPU_CATALOG[name]
+
+
 class _Workload:
     """The options ``estimate`` and ``measure`` share, validated once (DESIGN.md 4: same options, same schema)."""
 
     def __init__(self, model, dp, tp, pp, micro_batch, global_batch, seq_len, zero, recompute, precision, optimizer, gpu):
-        from frenzy_prefect.memory.analytic import check_plan
         from frenzy_prefect.profiling.model import resolve_model
-        from frenzy_prefect.spec.catalog import GPU_CATALOG
 
         self.spec = resolve_model(model, seq_len=seq_len)
         self.plan = ParallelPlan(dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, zero=zero, recompute=recompute)
         self.request = _request(model, global_batch or self.plan.dp * self.plan.micro_batch, seq_len or self.spec.max_seq_len, precision, optimizer)
-        if gpu is not None and gpu not in GPU_CATALOG:
-            raise FrenzyError(f"unknown GPU type {gpu!r}; known: {', '.join(GPU_CATALOG)}")
-        self.gpu = GPU_CATALOG[gpu] if gpu else None
-        check_plan(self.spec, self.plan)
-        self.plan.accumulation(self.request.global_batch)
+        self.gpu = _gpu_type(gpu) if gpu else None  # the plan itself is checked by estimate/measure
 
     def header(self) -> str:
         return f"{self.spec.name} ({self.spec.parameters:,} parameters), {self.plan.label()}, {self.request.precision}"
@@ -132,7 +134,7 @@ def measure(
     recompute: str = RECOMPUTE, precision: str = PRECISION, optimizer: str = OPTIMIZER, gpu: Optional[str] = GPU,
     as_json: bool = JSON,
 ) -> None:  # fmt: skip
-    """The same plan executed here by the training engine (one process per GPU, two steps), with
+    """The same plan executed here by the training engine (one process per GPU, three steps), with
     each rank's measured peak by category (MemTracker; on CUDA also the allocator's peaks)."""
     from frenzy_prefect.training.measure import Workload, measure as run
 
@@ -164,35 +166,36 @@ def calibrate(
 ) -> None:
     """Measure this machine's GPU on a fixed set of runs, fit its overhead and fragmentation, and
     store them in the calibration file the estimator loads; prints the error before and after."""
-    from frenzy_prefect.memory import estimate as predict
+    from frenzy_prefect.memory import peak_bytes
     from frenzy_prefect.memory.calibration import ENV, PACKAGED, Calibration, GpuConstants, fit, save
     from frenzy_prefect.profiling.model import resolve_model
-    from frenzy_prefect.spec.catalog import GPU_CATALOG
 
     def body() -> None:
         import torch
 
         from frenzy_prefect.training.measure import Workload, measure as run
 
-        if gpu not in GPU_CATALOG:
-            raise FrenzyError(f"unknown GPU type {gpu!r}; known: {', '.join(GPU_CATALOG)}")
+        gpu_type = _gpu_type(gpu)
         if not torch.cuda.is_available():
             raise FrenzyError("calibration measures a GPU and this machine has no CUDA device; the constants stay documented assumptions")
         path = out or os.environ.get(ENV) or PACKAGED
         current = Calibration.load(path) if Path(path).exists() else Calibration()
-        neutral, tensors, measured, assumed = Calibration(gpus={gpu: GpuConstants()}), [], [], []
+        runs, measured = [], []
         for model, batch, seq_len, precision, recompute in CALIBRATION_RUNS:
             spec, plan_ = resolve_model(model, seq_len=seq_len), ParallelPlan(micro_batch=batch, recompute=recompute)
-            kwargs = dict(global_batch=batch, seq_len=seq_len, precision=precision, optimizer_bytes_per_param=8, gpu=GPU_CATALOG[gpu])
             (rank,) = run(Workload(model=spec, plan=plan_, global_batch=batch, seq_len=seq_len, precision=precision, optimizer={"name": "adamw"}))
-            tensors.append(predict(spec, plan_, **kwargs, calibration=neutral).peak_bytes)
-            assumed.append(predict(spec, plan_, **kwargs, calibration=Calibration()).peak_bytes)
+            runs.append((spec, plan_, dict(global_batch=batch, seq_len=seq_len, precision=precision, optimizer_bytes_per_param=8, gpu=gpu_type)))
             measured.append(rank.device_peak)
             typer.echo(f"{model} mb={batch} seq={seq_len} {precision} recompute={recompute}: device peak {gib(rank.device_peak)} GiB")
+
+        def predicted(calibration: Calibration) -> list[int]:
+            return [peak_bytes(spec, plan_, **kwargs, calibration=calibration) for spec, plan_, kwargs in runs]
+
+        tensors = predicted(Calibration(gpus={gpu: GpuConstants()}))
         constants = fit(tensors, measured, note=f"{len(measured)} runs of `frenzy calibrate` on {torch.cuda.get_device_name()}")
         save(current.model_copy(update={"gpus": current.gpus | {gpu: constants}}), path)
-        for label, predicted in (("before (catalog assumption)", assumed), ("after (fitted)", [round(constants.fragmentation * t) + constants.overhead_bytes for t in tensors])):
-            errors = sorted(abs(p - m) / m for p, m in zip(predicted, measured, strict=True))
+        for label, calibration in (("before (catalog assumption)", Calibration()), ("after (fitted)", Calibration(gpus={gpu: constants}))):
+            errors = sorted(abs(p - m) / m for p, m in zip(predicted(calibration), measured, strict=True))
             typer.echo(f"{label}: median error {errors[len(errors) // 2]:.2%}, worst {errors[-1]:.2%}")
         typer.echo(f"{gpu}: overhead {gib(constants.overhead_bytes)} GiB, fragmentation x{constants.fragmentation:.4f} -> {path}")
 
