@@ -68,8 +68,7 @@ def error(predicted: int, measured: int) -> float:
     return (predicted - measured) / measured
 
 
-def run_one(model: ModelSpec, plan_kwargs: dict, precision: str, global_batch: int, seq_len: int, optimizer: str) -> dict:
-    plan = ParallelPlan(**({"micro_batch": 2} | plan_kwargs))
+def run_one(model: ModelSpec, plan: ParallelPlan, precision: str, global_batch: int, seq_len: int, optimizer: str) -> dict:
     settings = OptimizerSettings(name=optimizer)
     started = time.perf_counter()
     ranks = measure(Workload(model=model, plan=plan, global_batch=global_batch, seq_len=seq_len, precision=precision, optimizer=settings))
@@ -115,10 +114,10 @@ def main() -> None:
     header = f"{'model':<12} {'plan':<46} {'prec':<5} {'opt':<5} {'measured MiB':>12} {'frenzy':>8} {'megatron':>9} {'deepspeed':>9}"
     print(header)
     for model, kwargs, precision, gb, seq, opt in GRID:
-        label = f"{model.name} {ParallelPlan(**({'micro_batch': 2} | kwargs)).label()} {precision} {opt}"
-        if args.only not in label:
+        plan = ParallelPlan(**({"micro_batch": 2} | kwargs))
+        if args.only not in f"{model.name} {plan.label()} {precision} {opt}":
             continue
-        r = run_one(model, kwargs, precision, gb, seq, opt)
+        r = run_one(model, plan, precision, gb, seq, opt)
         rows.append(r)
         print(
             f"{r['model']:<12} {r['plan']:<46} {precision:<5} {opt:<5} {r['measured_bytes'] / 2**20:>12.3f}"

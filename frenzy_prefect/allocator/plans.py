@@ -13,8 +13,9 @@ from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import ParallelPlan, PlanCandidate
 from frenzy_prefect.spec.request import TrainingRequest
 
-# What the training engine executes today: data parallel with gradient accumulation, with or
-# without full recomputation. Tensor/pipeline parallelism and ZeRO widen this set later.
+# What a training job can run today: data parallel with gradient accumulation, with or without
+# full recomputation (the engine runs tp, pp and ZeRO too, but the trainer's single-file
+# checkpoint needs rank 0 to hold the whole model; see trainer.check_checkpointable).
 ENGINE_RECOMPUTE = ("none", "full")
 
 
