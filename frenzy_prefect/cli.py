@@ -7,6 +7,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Optional
 
 import typer
@@ -105,46 +106,51 @@ GPU = typer.Option(None, "--gpu", help="GPU type: estimate adds its calibrated o
 JSON = typer.Option(False, "--json")
 
 
-@app.command()
-def estimate(
-    model: str = MODEL_ARG, dp: int = DP, tp: int = TP, pp: int = PP, micro_batch: int = MICRO_BATCH,
-    global_batch: Optional[int] = GLOBAL_BATCH, seq_len: Optional[int] = SEQ_LEN, zero: int = ZERO,
-    recompute: str = RECOMPUTE, precision: str = PRECISION, optimizer: str = OPTIMIZER, gpu: Optional[str] = GPU,
-    as_json: bool = JSON,
-) -> None:  # fmt: skip
-    """Predicted per-GPU peak memory of one plan, per rank and by category."""
-    from frenzy_prefect.memory import estimate as predict
+def _memory_command(name: str, per_rank: Callable[[_Workload], list[tuple[int, MemoryBreakdown]]], doc: str) -> None:
+    """Register ``estimate`` or ``measure``: the same options and the same schema (DESIGN.md 4)."""
 
-    def body() -> None:
-        w = _Workload(model, dp, tp, pp, micro_batch, global_batch, seq_len, zero, recompute, precision, optimizer, gpu)
-        r = w.request
-        result = predict(
-            w.spec, w.plan, global_batch=r.global_batch, seq_len=r.seq_len, precision=r.precision,
-            optimizer_bytes_per_param=r.optimizer.state_bytes_per_parameter, gpu=w.gpu,
-        )  # fmt: skip
-        w.emit([(rank, result.per_stage[w.plan.coordinates(rank)[0]]) for rank in range(w.plan.gpus)], as_json)
+    def command(
+        model: str = MODEL_ARG, dp: int = DP, tp: int = TP, pp: int = PP, micro_batch: int = MICRO_BATCH,
+        global_batch: Optional[int] = GLOBAL_BATCH, seq_len: Optional[int] = SEQ_LEN, zero: int = ZERO,
+        recompute: str = RECOMPUTE, precision: str = PRECISION, optimizer: str = OPTIMIZER, gpu: Optional[str] = GPU,
+        as_json: bool = JSON,
+    ) -> None:  # fmt: skip
+        def body() -> None:
+            w = _Workload(model, dp, tp, pp, micro_batch, global_batch, seq_len, zero, recompute, precision, optimizer, gpu)
+            w.emit(per_rank(w), as_json)
 
-    _guarded(body)
+        _guarded(body)
+
+    command.__doc__ = doc
+    app.command(name)(command)
 
 
-@app.command()
-def measure(
-    model: str = MODEL_ARG, dp: int = DP, tp: int = TP, pp: int = PP, micro_batch: int = MICRO_BATCH,
-    global_batch: Optional[int] = GLOBAL_BATCH, seq_len: Optional[int] = SEQ_LEN, zero: int = ZERO,
-    recompute: str = RECOMPUTE, precision: str = PRECISION, optimizer: str = OPTIMIZER, gpu: Optional[str] = GPU,
-    as_json: bool = JSON,
-) -> None:  # fmt: skip
+def _estimated(w: _Workload) -> list[tuple[int, MemoryBreakdown]]:
+    from frenzy_prefect.memory import estimate
+
+    r = w.request
+    result = estimate(
+        w.spec, w.plan, global_batch=r.global_batch, seq_len=r.seq_len, precision=r.precision,
+        optimizer_bytes_per_param=r.optimizer.state_bytes_per_parameter, gpu=w.gpu,
+    )  # fmt: skip
+    return [(rank, result.per_stage[w.plan.coordinates(rank)[0]]) for rank in range(w.plan.gpus)]
+
+
+def _measured(w: _Workload) -> list[tuple[int, MemoryBreakdown]]:
+    from frenzy_prefect.training.measure import Workload, measure
+
+    r = w.request
+    ranks = measure(Workload(model=w.spec, plan=w.plan, global_batch=r.global_batch, seq_len=r.seq_len, precision=r.precision, optimizer=r.optimizer))
+    return [(m.rank, m.breakdown) for m in ranks]
+
+
+_memory_command("estimate", _estimated, "Predicted per-GPU peak memory of one plan, per rank and by category.")
+_memory_command(
+    "measure",
+    _measured,
     """The same plan executed here by the training engine (one process per GPU, three steps), with
-    each rank's measured peak by category (MemTracker; on CUDA also the allocator's peaks)."""
-    from frenzy_prefect.training.measure import Workload, measure as run
-
-    def body() -> None:
-        w = _Workload(model, dp, tp, pp, micro_batch, global_batch, seq_len, zero, recompute, precision, optimizer, gpu)
-        r = w.request
-        ranks = run(Workload(model=w.spec, plan=w.plan, global_batch=r.global_batch, seq_len=r.seq_len, precision=r.precision, optimizer=r.optimizer))
-        w.emit([(m.rank, m.breakdown) for m in ranks], as_json)
-
-    _guarded(body)
+    each rank's measured peak by category (MemTracker; on CUDA also the allocator's peaks).""",
+)
 
 
 # What `frenzy calibrate` runs on one GPU: sizes from a few hundred MB to tens of GB, both
