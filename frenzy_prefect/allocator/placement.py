@@ -10,17 +10,24 @@ def place(gpus: int, free: list[tuple[Node, list[int]]], group: int = 1) -> list
     """A node whose free GPUs fit exactly; else the fitting node with the least free capacity;
     else a greedy split over the nodes with the most free GPUs. Each node's share is a multiple
     of ``group`` (a tensor-parallel group never spans nodes). None if the GPUs are not there."""
-    usable = [(node, idx[: len(idx) // group * group]) for node, idx in free]
-    usable = [(node, idx) for node, idx in usable if idx]
-    exact = [(n, idx) for n, idx in usable if len(idx) == gpus]
-    fitting = sorted(((n, idx) for n, idx in usable if len(idx) > gpus), key=lambda x: (len(x[1]), x[0].name))
-    if exact or fitting:
-        node, idx = (exact or fitting)[0]
-        return [Placement(node=node.name, host=node.host, gpus=idx[:gpus])]
+    if group > 1:
+        free = [(node, idx[: len(idx) // group * group]) for node, idx in free]
+    # One pass without sorting for the common cases, and no re-validation of the node names and
+    # indices it was given: this runs for every plan HAS tries.
+    tightest: tuple[Node, list[int]] | None = None
+    for node, idx in free:
+        n = len(idx)
+        if n == gpus:
+            return [Placement.model_construct(node=node.name, host=node.host, gpus=idx)]
+        if n > gpus and (tightest is None or (n, node.name) < (len(tightest[1]), tightest[0].name)):
+            tightest = (node, idx)
+    if tightest:
+        node, idx = tightest
+        return [Placement.model_construct(node=node.name, host=node.host, gpus=idx[:gpus])]
     placements, needed = [], gpus
-    for node, idx in sorted(usable, key=lambda x: (-len(x[1]), x[0].name)):
+    for node, idx in sorted(((n, idx) for n, idx in free if idx), key=lambda x: (-len(x[1]), x[0].name)):
         take = idx[:needed]
-        placements.append(Placement(node=node.name, host=node.host, gpus=take))
+        placements.append(Placement.model_construct(node=node.name, host=node.host, gpus=take))
         needed -= len(take)
         if needed == 0:
             return placements

@@ -4,6 +4,7 @@ memory and step time, in priority order."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Literal
 
 from frenzy_prefect.allocator.step_time import step_time_s
 from frenzy_prefect.errors import NoFeasiblePlan
@@ -47,9 +48,31 @@ def engine_plans(global_batch: int, max_gpus: int) -> Iterator[ParallelPlan]:
                 yield ParallelPlan(dp=dp, micro_batch=micro_batch, recompute=recompute)
 
 
-def candidate_plans(model: ModelSpec, request: TrainingRequest, cluster: ClusterSpec) -> list[PlanCandidate]:
-    """All candidates, fitting ones first, each group by predicted step time, then fewer GPUs,
-    fewer accumulation steps, no recomputation."""
+def plan_space(model: ModelSpec, global_batch: int, max_gpus: int, node_gpus: int) -> Iterator[ParallelPlan]:
+    """Every plan the memory model covers, within ``max_gpus``: tensor parallelism inside one
+    node (dividing heads, hidden and ffn), pipeline depths in powers of two, ZeRO 1-3 over data
+    parallelism alone, and each recomputation mode."""
+    tps = [t for t in _divisors(min(node_gpus, model.heads)) if not (model.heads % t or model.hidden % t or model.ffn_hidden % t)]
+    pps = [1 << k for k in range(model.layers.bit_length()) if 1 << k <= model.layers]
+    for dp in _divisors(global_batch):
+        for tp in tps:
+            for pp in pps:
+                if dp * tp * pp > max_gpus:
+                    break
+                zeros = (0, 1, 2, 3) if dp > 1 and tp == pp == 1 else (0,)
+                for micro_batch in _divisors(global_batch // dp):
+                    for zero in zeros:
+                        for recompute in ("none", "selective", "full"):
+                            yield ParallelPlan.model_construct(dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, zero=zero, recompute=recompute)
+
+
+def candidate_plans(
+    model: ModelSpec, request: TrainingRequest, cluster: ClusterSpec, space: Literal["engine", "full"] = "engine"
+) -> list[PlanCandidate]:
+    """All candidates, fitting ones first, each group by predicted step time (the job's steps
+    are fixed, so this is its predicted completion time), then fewer GPUs (GPU-seconds), fewer
+    accumulation steps, no recomputation. ``space``: the plans a training job runs today
+    (``engine_plans``), or every plan the memory model covers (``plan_space``)."""
     workload = {"global_batch": request.global_batch, "seq_len": request.seq_len, "precision": request.precision}
     kinds = gpu_kinds(cluster)
     if request.precision == "bf16":
@@ -61,8 +84,9 @@ def candidate_plans(model: ModelSpec, request: TrainingRequest, cluster: Cluster
             )
     out: list[PlanCandidate] = []
     for name, (gpu, total, largest) in kinds.items():
-        for plan in engine_plans(request.global_batch, total):
-            link = gpu.link_gbps if plan.gpus <= largest else cluster.network_gbps
+        plans = engine_plans(request.global_batch, total) if space == "engine" else plan_space(model, request.global_batch, total, largest)
+        for plan in plans:
+            network = None if plan.gpus <= largest else cluster.network_gbps
             out.append(
                 PlanCandidate(
                     gpu_type=name,
@@ -71,7 +95,7 @@ def candidate_plans(model: ModelSpec, request: TrainingRequest, cluster: Cluster
                         model, plan, **workload, optimizer_bytes_per_param=request.optimizer.state_bytes_per_parameter, gpu=gpu
                     ),
                     gpu_memory_bytes=gpu.memory_bytes,
-                    step_time_s=step_time_s(model, plan, **workload, gpu=gpu, link_gbps=link),
+                    step_time_s=step_time_s(model, plan, **workload, gpu=gpu, network_gbps=network),
                 )
             )
     out.sort(

@@ -1,14 +1,20 @@
-"""Predicted time of one optimizer step, from FLOPs and communication volume.
+"""Predicted time of one optimizer step, from FLOPs, bytes moved and link bandwidths.
 
-Assumptions (to be calibrated from measured step times):
-- compute reaches ACHIEVABLE_FRACTION of the GPU type's dense peak (bf16/fp16 tensor peak for
-  mixed precision, fp32 peak otherwise);
+Assumptions (each a knob; ``fit_achievable_fraction`` calibrates the first from measured steps):
+- compute runs at the GPU type's ``achievable_fraction`` of its dense peak (bf16/fp16 tensor
+  peak for mixed precision, fp32 peak otherwise), scaled by t / (t + SATURATION_TOKENS) for a
+  micro-batch of t tokens per tensor-parallel rank: small GEMMs leave the GPU under-fed;
 - FLOPs per token are 6N + 12*l*h*s (Kaplan et al.; attention scores), plus one more forward
-  (2N) under full recomputation;
+  (2N) under full recomputation and the attention core (4*l*h*s) under selective;
 - 1F1B adds the bubble fraction (pp - 1) / accumulation;
-- data parallelism ring-all-reduces fp32 gradients once per step; tensor parallelism
-  all-reduces 4 activations per layer per micro-batch; both over NVLink/PCIe inside a node and
-  over the cluster network across nodes.
+- data parallelism ring-all-reduces fp32 gradients once per step (ZeRO-3 moves 1.5x that:
+  weights gathered for forward and backward, gradients reduce-scattered); tensor parallelism
+  all-reduces 4 activations per layer per micro-batch; pipeline stages pass one activation
+  forward and one gradient back per micro-batch and boundary;
+- tensor-parallel groups stay inside a node (the placer guarantees it); data- and
+  pipeline-parallel traffic crosses the network when the placement spans nodes;
+- communication does not overlap compute (conservative: DDP hides part of the all-reduce);
+- the optimizer step is memory-bound: 32 bytes read and written per parameter it updates.
 """
 
 from __future__ import annotations
@@ -19,11 +25,50 @@ from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import ParallelPlan
 from frenzy_prefect.spec.request import Precision
 
-ACHIEVABLE_FRACTION = 0.4
+SATURATION_TOKENS = 256
+OPTIMIZER_BYTES_MOVED = 32
 
 
 def _ring_all_reduce_s(nbytes: float, peers: int, gbps: float) -> float:
     return 0.0 if peers <= 1 else 2 * (peers - 1) / peers * nbytes / (gbps * 1e9)
+
+
+def flops_per_token(model: ModelSpec, seq_len: int, recompute: str = "none") -> float:
+    attention = 12 * model.layers * model.hidden * seq_len
+    extra = {"none": 0.0, "selective": 4 * model.layers * model.hidden * seq_len, "full": 2 * model.parameters + attention / 3}
+    return 6 * model.parameters + attention + extra[recompute]
+
+
+def step_time_parts(
+    model: ModelSpec,
+    plan: ParallelPlan,
+    *,
+    global_batch: int,
+    seq_len: int,
+    precision: Precision,
+    gpu: GpuType,
+    network_gbps: float | None = None,
+) -> tuple[float, float]:
+    """(compute seconds at 100% of peak, everything else in seconds); ``network_gbps`` is the
+    bandwidth between nodes when the placement spans nodes, None when it fits in one."""
+    accumulation = plan.accumulation(global_batch)
+    tokens = global_batch * seq_len
+    peak = (gpu.fp32_tflops if precision == "fp32" else gpu.half_tflops) * 1e12
+    per_rank_tokens = plan.micro_batch * seq_len / plan.tp
+    saturation = per_rank_tokens / (per_rank_tokens + SATURATION_TOKENS)
+    compute = tokens * flops_per_token(model, seq_len, plan.recompute) / (plan.gpus * peak * saturation)
+    compute *= 1 + (plan.pp - 1) / accumulation
+
+    between = network_gbps or gpu.link_gbps
+    stage_params = max(stage_parameters(model, plan, s) for s in range(plan.pp))
+    dp_comm = _ring_all_reduce_s(FP32 * stage_params, plan.dp, between) * (1.5 if plan.zero == 3 else 1.0)
+    layers_per_stage = -(-model.layers // plan.pp)
+    activation = seq_len * plan.micro_batch * model.hidden * COMPUTE_BYTES[precision]
+    tp_comm = 4 * layers_per_stage * accumulation * _ring_all_reduce_s(activation, plan.tp, gpu.link_gbps)
+    pp_comm = 0.0 if plan.pp == 1 else 2 * (accumulation + plan.pp - 1) * activation / (between * 1e9)
+    updated = stage_params / (plan.dp if plan.zero else 1)
+    optimizer = OPTIMIZER_BYTES_MOVED * updated / (gpu.memory_bandwidth_gbps * 1e9)
+    return compute, dp_comm + tp_comm + pp_comm + optimizer
 
 
 def step_time_s(
@@ -34,21 +79,22 @@ def step_time_s(
     seq_len: int,
     precision: Precision,
     gpu: GpuType,
-    link_gbps: float,
+    network_gbps: float | None = None,
 ) -> float:
-    """``link_gbps`` is the slowest link the plan's collectives cross (node-internal or network)."""
-    accumulation = plan.accumulation(global_batch)
-    tokens = global_batch * seq_len
-    per_token = 6 * model.parameters + 12 * model.layers * model.hidden * seq_len
-    if plan.recompute == "full":
-        per_token += 2 * model.parameters
-    peak = (gpu.fp32_tflops if precision == "fp32" else gpu.half_tflops) * 1e12
-    compute = tokens * per_token / (plan.gpus * peak * ACHIEVABLE_FRACTION)
-    compute *= 1 + (plan.pp - 1) / accumulation
+    compute, rest = step_time_parts(
+        model, plan, global_batch=global_batch, seq_len=seq_len, precision=precision, gpu=gpu, network_gbps=network_gbps
+    )
+    return compute / gpu.achievable_fraction + rest
 
-    grads = FP32 * max(stage_parameters(model, plan, s) for s in range(plan.pp))
-    dp_comm = _ring_all_reduce_s(grads, plan.dp, link_gbps)
-    layers_per_stage = -(-model.layers // plan.pp)
-    activation = seq_len * plan.micro_batch * model.hidden * COMPUTE_BYTES[precision]
-    tp_comm = 4 * layers_per_stage * accumulation * _ring_all_reduce_s(activation, plan.tp, link_gbps)
-    return compute + dp_comm + tp_comm
+
+def fit_achievable_fraction(samples: list[tuple[float, float, float]]) -> float:
+    """The fraction that best explains measured steps: ``samples`` are (compute at peak,
+    the rest, measured seconds) from ``step_time_parts``; least squares of
+    measured - rest = compute / fraction."""
+    if not samples:
+        raise ValueError("fitting needs at least one measured step time")
+    num = sum(c * c for c, _, _ in samples)
+    den = sum(c * (m - r) for c, r, m in samples)
+    if den <= 0:
+        raise ValueError("measured step times are not longer than the predicted communication; nothing to fit")
+    return min(1.0, num / den)

@@ -20,6 +20,10 @@ class GpuType(BaseModel):
     half_tflops: PositiveFloat = Field(description="Dense bf16/fp16 tensor peak.")
     fp32_tflops: PositiveFloat
     link_gbps: PositiveFloat = Field(description="GPU-to-GPU bandwidth inside a node, GB/s (NVLink or PCIe).")
+    memory_bandwidth_gbps: PositiveFloat = Field(default=900, description="Device memory bandwidth, GB/s.")
+    achievable_fraction: float = Field(
+        default=0.4, gt=0, le=1, description="Fraction of the dense peak a large training kernel mix reaches (model FLOPs utilisation)."
+    )
     supports_bf16: bool = True
     runtime_overhead_bytes: NonNegativeInt = Field(
         default=0, description="CUDA context, library workspaces and allocator headroom per GPU."
@@ -61,7 +65,7 @@ class ClusterSpec(BaseModel):
             if node.gpu_type not in known:
                 raise ValueError(
                     f"node {node.name!r} has unknown gpu_type {node.gpu_type!r}; known types: "
-                    f"{', '.join(sorted(known))} (or declare it under gpu_types)"
+                    f"{', '.join(sorted(known))} (declare it under gpu_types, or in a file passed as --gpu-types)"
                 )
         return self
 
@@ -78,8 +82,9 @@ class ClusterSpec(BaseModel):
         return gpu.model_copy(update={"memory_bytes": int(node.gpu_memory_gib * GIB)})
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "ClusterSpec":
-        """A YAML or JSON cluster file; FrenzyError if it is missing or not a mapping."""
+    def from_file(cls, path: str | Path, gpu_types: dict[str, GpuType] | None = None) -> "ClusterSpec":
+        """A YAML or JSON cluster file (``gpu_types``: declarations of types it may use beyond
+        the catalog's and its own); FrenzyError if it is missing or not a mapping."""
         try:
             data: Any = yaml.safe_load(Path(path).read_text())
         except FileNotFoundError:
@@ -89,6 +94,8 @@ class ClusterSpec(BaseModel):
         if not isinstance(data, dict):
             raise FrenzyError(f"cluster file {path} must be a mapping with 'nodes' (and optional 'name', 'gpu_types')")
         data.setdefault("name", Path(path).stem)
+        if gpu_types:
+            data["gpu_types"] = {**gpu_types, **(data.get("gpu_types") or {})}
         return cls.model_validate(data)
 
 
