@@ -11,6 +11,8 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 import typer
+from rich.console import Console
+from rich.table import Table
 from pydantic import ValidationError
 
 from frenzy_prefect.errors import FrenzyError, describe_validation_error
@@ -216,38 +218,86 @@ def plan(
     cluster: Path = typer.Option(..., "--cluster", help="Cluster file (YAML or JSON)."),
     precision: str = typer.Option("bf16", "--precision", help="fp32, bf16 or fp16."),
     optimizer: str = typer.Option("adamw", "--optimizer", help="adamw, adam or sgd."),
+    space: str = typer.Option("engine", "--space", help="engine: plans training runs today (data parallel, recompute); full: tp, pp and ZeRO too."),
     top: int = typer.Option(10, "--top", help="How many ranked plans to show."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Ranked feasible plans for a job on a cluster, and the chosen placement."""
+    """HAS on an idle cluster: the ranked feasible plans (MARP) and the chosen placement."""
     from frenzy_prefect import allocator
     from frenzy_prefect.profiling.model import resolve_model
     from frenzy_prefect.spec.cluster import ClusterSpec, ClusterState
 
     def body() -> None:
+        if space not in ("engine", "full"):
+            raise FrenzyError(f"--space must be engine or full, not {space!r}")
         spec = resolve_model(model, seq_len=seq_len)
         request = _request(model, global_batch, seq_len, precision, optimizer)
         state = ClusterState.idle(ClusterSpec.from_file(cluster))
-        candidates = allocator.candidate_plans(spec, request, state.cluster)
+        candidates = allocator.candidate_plans(spec, request, state.cluster, space)  # type: ignore[arg-type]
         chosen = allocator.allocate(candidates, state)
         ranked = [c for c in candidates if c.fits][:top]
         if as_json:
-            typer.echo(
-                json.dumps(
-                    {
-                        "plans": [
-                            {"gpu_type": c.gpu_type, "gpus": c.plan.gpus, "plan": c.plan.model_dump(), "peak_bytes": c.memory.peak_bytes, "step_time_s": c.step_time_s}
-                            for c in ranked
-                        ],
-                        "chosen": chosen.model_dump(mode="json"),
-                    }
-                )
-            )
+            plans = [
+                {"gpu_type": c.gpu_type, "gpus": c.plan.gpus, "plan": c.plan.model_dump(), "peak_bytes": c.memory.peak_bytes, "step_time_s": c.step_time_s}
+                for c in ranked
+            ]
+            typer.echo(json.dumps({"plans": plans, "chosen": chosen.model_dump(mode="json")}))
             return
-        for c in ranked:
-            typer.echo(f"{c.plan.gpus:>3} x {c.gpu_type:<10} {c.plan.label():<48} {gib(c.memory.peak_bytes):>8} GiB  {c.step_time_s:.4g} s/step")
-        placed = ", ".join(f"{p.node}{p.gpus}" for p in chosen.placements)
-        typer.echo(f"chosen: {chosen.plan.gpus} x {chosen.gpu_type}, {chosen.plan.label()} on {placed}")
+        table = Table(title=f"{model}, global batch {global_batch} x {seq_len} tokens, on {state.cluster.name}")
+        for column in ("#", "GPUs", "type", "dp", "tp", "pp", "mb", "ZeRO", "recompute", "peak GiB", "of GiB", "step s"):
+            table.add_column(column, justify="left" if column in ("type", "recompute") else "right")
+        for i, c in enumerate(ranked, 1):
+            p = c.plan
+            table.add_row(
+                *map(str, (i, p.gpus, c.gpu_type, p.dp, p.tp, p.pp, p.micro_batch, p.zero, p.recompute, gib(c.memory.peak_bytes), gib(c.gpu_memory_bytes))),
+                f"{c.step_time_s:.4g}",
+            )
+        console = Console()
+        console.print(table)
+        placed = ", ".join(f"{p.node} GPUs {p.gpus}" for p in chosen.placements)
+        console.print(f"chosen: {chosen.plan.gpus} x {chosen.gpu_type}, {chosen.plan.label()} on {placed}")
+
+    _guarded(body)
+
+
+@app.command()
+def simulate(
+    trace: Path = typer.Option(..., "--trace", help="ElasticFlow job trace CSV."),
+    cluster: Path = typer.Option(..., "--cluster", help="Alibaba v2023 node-list CSV, or a cluster file (YAML/JSON)."),
+    policy: str = typer.Option("frenzy", "--policy", help="frenzy, first-fit, fastest-type or ilp."),
+    gpu_types: Optional[Path] = typer.Option(None, "--gpu-types", help="YAML declaring GPU types the catalog lacks (e.g. Alibaba's G2, G3)."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Replay a job trace on a cluster under one scheduling policy."""
+    from frenzy_prefect.simulation.inputs import load_cluster, load_trace
+    from frenzy_prefect.simulation.jobs import sim_jobs
+    from frenzy_prefect.simulation.policies import make_policy
+    from frenzy_prefect.simulation.simulator import simulate as run
+
+    def body() -> None:
+        chosen = make_policy(policy)
+        result = run(sim_jobs(load_trace(trace)), load_cluster(cluster, gpu_types), chosen)
+        if as_json:
+            typer.echo(result.model_dump_json())
+            return
+        table = Table(title=f"{trace.name} on {cluster.name} ({result.cluster_gpus} GPUs), policy {result.policy}")
+        table.add_column("metric")
+        table.add_column("value", justify="right")
+        hours = lambda s: "-" if s is None else f"{s / 3600:.2f} h"  # noqa: E731
+        rows = [
+            ("jobs completed", f"{result.jobs_completed} / {result.jobs_total}"),
+            ("unschedulable", str(result.jobs_unschedulable)),
+            ("out-of-memory restarts", str(result.out_of_memory_restarts)),
+            ("average JCT", hours(result.avg_jct_s)),
+            ("p50 JCT", hours(result.p50_jct_s)),
+            ("p99 JCT", hours(result.p99_jct_s)),
+            ("makespan", hours(result.makespan_s)),
+            ("GPU utilisation", f"{result.gpu_utilization:.1%}"),
+            ("decision latency p50 / p99", f"{result.decision_latency_ms.p50:.3f} / {result.decision_latency_ms.p99:.3f} ms"),
+        ]
+        for name, value in rows:
+            table.add_row(name, value)
+        Console().print(table)
 
     _guarded(body)
 

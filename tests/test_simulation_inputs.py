@@ -1,26 +1,14 @@
 """The simulator's inputs: the public traces load whole, and a bad row is named by file, line and column."""
 
-import os
-from pathlib import Path
 
 import pytest
 
 from frenzy_prefect.errors import FrenzyError
-from frenzy_prefect.simulation.inputs import load_alibaba_nodes, load_trace
+from frenzy_prefect.simulation.inputs import load_alibaba_nodes, load_trace, shared_traces
 from frenzy_prefect.spec.catalog import GPU_CATALOG
 
 
-def _traces() -> Path:
-    """The team's shared traces: $FRENZY_TRACES, or shared/data/traces beside a parent of this checkout."""
-    if os.environ.get("FRENZY_TRACES"):
-        return Path(os.environ["FRENZY_TRACES"])
-    for parent in Path(__file__).resolve().parents:
-        if (parent / "shared" / "data" / "traces").is_dir():
-            return parent / "shared" / "data" / "traces"
-    return Path("/nonexistent")
-
-
-TRACES = _traces()
+TRACES = shared_traces()
 ELASTICFLOW = TRACES / "elasticflow"
 ALIBABA_NODES = TRACES / "alibaba-gpu-v2023" / "openb_node_list_all_node.csv"
 HEADER = "job_id,submission_time,num_iteration,model_name,deadline,batch_size,num_gpu,duration\n"
@@ -39,7 +27,7 @@ def test_elasticflow_traces_load_whole_in_submission_order(name, jobs):
 
 @needs_traces
 def test_the_alibaba_cluster_needs_its_undisclosed_types_declared_and_then_has_6212_gpus():
-    with pytest.raises(FrenzyError, match="unknown gpu_type 'G[23]'; known types: A10, .* \\(or declare it under gpu_types\\)"):
+    with pytest.raises(FrenzyError, match="unknown gpu_type 'G[23]'; known types: A10, .* \\(declare it under gpu_types, or in a file passed as --gpu-types\\)"):
         load_alibaba_nodes(ALIBABA_NODES)
     declared = {name: GPU_CATALOG["A10"].model_copy(update={"name": name}) for name in ("G2", "G3")}
     cluster = load_alibaba_nodes(ALIBABA_NODES, declared)

@@ -12,13 +12,26 @@ Bad rows fail with the file, line and column; nothing is skipped silently.
 from __future__ import annotations
 
 import csv
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import yaml
 from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveInt, ValidationError
 
 from frenzy_prefect.errors import FrenzyError, describe_validation_error
 from frenzy_prefect.spec.cluster import ClusterSpec, GpuType, Node
+
+def shared_traces() -> Path:
+    """The team's public traces: $FRENZY_TRACES, or shared/data/traces beside a parent directory
+    of this package (where the team's checkouts live)."""
+    if os.environ.get("FRENZY_TRACES"):
+        return Path(os.environ["FRENZY_TRACES"])
+    for parent in Path(__file__).resolve().parents:
+        if (parent / "shared" / "data" / "traces").is_dir():
+            return parent / "shared" / "data" / "traces"
+    return Path("/nonexistent/shared/data/traces")
+
 
 ALIBABA_ALIASES = {"V100M16": "V100-16GB", "V100M32": "V100-32GB"}
 
@@ -96,5 +109,34 @@ def load_alibaba_nodes(path: str | Path, gpu_types: dict[str, GpuType] | None = 
         raise FrenzyError(f"{path} lists no GPU nodes")
     try:
         return ClusterSpec(name=path.stem, nodes=nodes, gpu_types=gpu_types or {})
+    except ValidationError as exc:
+        raise FrenzyError(f"{path}: {describe_validation_error(exc)}") from None
+
+
+def load_gpu_types(path: str | Path) -> dict[str, GpuType]:
+    """A YAML/JSON mapping of type name to GpuType fields, for types the catalog lacks."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise FrenzyError(f"cannot read {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise FrenzyError(f"{path} is not valid YAML/JSON: {exc}".replace("\n", " ")) from None
+    if not isinstance(data, dict):
+        raise FrenzyError(f"{path} must map GPU type names to their fields (name, memory_bytes, half_tflops, fp32_tflops, link_gbps, ...)")
+    try:
+        return {name: GpuType.model_validate({"name": name, **(fields or {})}) for name, fields in data.items()}
+    except ValidationError as exc:
+        raise FrenzyError(f"{path}: {describe_validation_error(exc)}") from None
+
+
+def load_cluster(path: str | Path, gpu_types: str | Path | None = None) -> ClusterSpec:
+    """An Alibaba v2023 node-list CSV, or the project's YAML/JSON cluster file; ``gpu_types``
+    names a file declaring types neither the catalog nor the cluster file has."""
+    declared = load_gpu_types(gpu_types) if gpu_types else {}
+    if Path(path).suffix.lower() == ".csv":
+        return load_alibaba_nodes(path, declared)
+    try:
+        return ClusterSpec.from_file(path, declared)
     except ValidationError as exc:
         raise FrenzyError(f"{path}: {describe_validation_error(exc)}") from None

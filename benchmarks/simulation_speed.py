@@ -1,0 +1,44 @@
+"""Wall time of a whole-trace replay: cluster04 (15,802 jobs) on the Alibaba v2023 cluster shape
+(6,212 GPUs), per policy, with the simulator's own counts (decisions, jobs per second).
+
+    python -m benchmarks.simulation_speed [--policies frenzy first-fit fastest-type ilp] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from benchmarks import write_result
+from benchmarks.scheduling_jct import CLUSTERS
+from frenzy_prefect.simulation.inputs import load_cluster, load_trace, shared_traces
+from frenzy_prefect.simulation.jobs import sim_jobs
+from frenzy_prefect.simulation.policies import POLICIES, make_policy
+from frenzy_prefect.simulation.simulator import simulate
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trace", default="cluster04")
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    parser.add_argument("--json", type=Path, default=Path("benchmarks/results/simulation_speed.json"))
+    args = parser.parse_args()
+
+    rows = []
+    print(f"{'policy':<14}{'jobs':>7}{'decisions':>11}{'load s':>8}{'replay s':>10}{'jobs/s':>9}")
+    for name in args.policies:
+        started = time.perf_counter()  # loading and mapping count: a replay starts from the files
+        path, types = CLUSTERS["alibaba"]
+        spec = load_cluster(shared_traces() / path, types)
+        jobs = sim_jobs(load_trace(shared_traces() / "elasticflow" / f"{args.trace}.csv"))
+        loaded = time.perf_counter() - started
+        result = simulate(jobs, spec, make_policy(name))
+        total = time.perf_counter() - started
+        rows.append({"policy": name, "trace": args.trace, "gpus": result.cluster_gpus, "jobs": len(jobs), "decisions": result.decisions, "load_s": loaded, "total_s": total})
+        print(f"{name:<14}{len(jobs):>7}{result.decisions:>11}{loaded:>8.2f}{total:>10.2f}{len(jobs) / total:>9.0f}")
+    write_result({"rows": rows}, args.json)
+
+
+if __name__ == "__main__":
+    main()

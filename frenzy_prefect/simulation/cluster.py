@@ -1,0 +1,116 @@
+"""The simulated cluster: which GPUs of which node are free, and what runs where. Taking a GPU
+that is not free raises, so no policy can double-book one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from frenzy_prefect.allocator.placement import place
+from frenzy_prefect.simulation.jobs import SimJob, Waiting
+from frenzy_prefect.simulation.options import Option, frontier
+from frenzy_prefect.spec.cluster import ClusterSpec, GpuType, Node
+from frenzy_prefect.spec.plan import ParallelPlan, Placement
+
+
+@dataclass(slots=True)
+class Run:
+    waiting: Waiting
+    gpu_type: str
+    plan: ParallelPlan
+    placements: list[Placement]
+    start_s: float
+    end_s: float
+    out_of_memory: bool
+
+    @property
+    def job(self) -> SimJob:
+        return self.waiting.job
+
+    @property
+    def gpus(self) -> int:
+        return self.plan.gpus
+
+
+class SimCluster:
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self.node: dict[str, Node] = {n.name: n for n in spec.nodes}
+        self.nodes_of: dict[str, list[Node]] = {}
+        for node in spec.nodes:
+            self.nodes_of.setdefault(node.gpu_type, []).append(node)
+        self.gpu: dict[str, GpuType] = {t: min((spec.gpu_of(n) for n in nodes), key=lambda g: g.memory_bytes) for t, nodes in self.nodes_of.items()}
+        self.total: dict[str, int] = {t: sum(n.gpu_count for n in nodes) for t, nodes in self.nodes_of.items()}
+        self.node_gpus: dict[str, int] = {t: max(n.gpu_count for n in nodes) for t, nodes in self.nodes_of.items()}
+        self.free: dict[str, list[int]] = {n.name: list(range(n.gpu_count)) for n in spec.nodes}
+        # Per type, nodes bucketed by how many GPUs they have free, so that placement on a
+        # cluster of thousands of GPUs looks only at the nodes HAS stage 2 could pick.
+        self.by_free: dict[str, list[dict[str, Node]]] = {t: [{} for _ in range(self.node_gpus[t] + 1)] for t in self.nodes_of}
+        for node in spec.nodes:
+            self.by_free[node.gpu_type][node.gpu_count][node.name] = node
+        self.free_total: dict[str, int] = dict(self.total)
+        self.running: dict[str, Run] = {}
+
+    @property
+    def types(self) -> list[str]:
+        """GPU types in the order the cluster first lists them."""
+        return list(self.nodes_of)
+
+    @property
+    def gpus(self) -> int:
+        return sum(self.total.values())
+
+    def options(self, job: SimJob, gpu_type: str) -> tuple[Option, ...]:
+        return frontier(
+            job.model, job.global_batch, self.gpu[gpu_type], self.total[gpu_type], self.node_gpus[gpu_type], self.spec.network_gbps
+        )
+
+    def place(self, gpu_type: str, gpus: int, group: int = 1) -> list[Placement] | None:
+        """HAS stage 2 on the free GPUs of ``gpu_type``; the GPUs are taken if it succeeds."""
+        if gpus > self.free_total[gpu_type]:
+            return None
+        buckets = self.by_free[gpu_type]
+        usable = [k for k in range(len(buckets)) if buckets[k] and k // group * group >= gpus]
+        if usable:  # an exact or tightest fit exists: only the nodes with the fewest usable GPUs compete
+            fewest = min(k // group * group for k in usable)
+            nodes = [n for k in usable if k // group * group == fewest for n in buckets[k].values()]
+        else:  # a split takes the nodes with the most free GPUs: only enough whole buckets compete
+            nodes, enough = [], 0
+            for k in range(len(buckets) - 1, 0, -1):
+                nodes += buckets[k].values()
+                enough += k // group * group * len(buckets[k])
+                if enough >= gpus:
+                    break
+        placements = place(gpus, [(n, self.free[n.name]) for n in nodes], group=group)
+        if placements:
+            self.take(gpu_type, placements)
+        return placements
+
+    def take(self, gpu_type: str, placements: list[Placement]) -> None:
+        for p in placements:
+            free = self.free[p.node]
+            if not set(p.gpus) <= set(free):
+                raise RuntimeError(f"GPUs {p.gpus} of node {p.node} are not all free ({free})")
+            self._refile(gpu_type, p.node, [i for i in free if i not in p.gpus])
+            self.free_total[gpu_type] -= len(p.gpus)
+
+    def release(self, gpu_type: str, placements: list[Placement]) -> None:
+        for p in placements:
+            self._refile(gpu_type, p.node, sorted(self.free[p.node] + p.gpus))
+            self.free_total[gpu_type] += len(p.gpus)
+
+    def _refile(self, gpu_type: str, name: str, free: list[int]) -> None:
+        buckets = self.by_free[gpu_type]
+        del buckets[len(self.free[name])][name]
+        buckets[len(free)][name] = self.node[name]
+        self.free[name] = free
+
+    def copy(self) -> "SimCluster":
+        """An independent copy of the free GPUs and runs (to time a decision on a snapshot)."""
+        twin = object.__new__(SimCluster)
+        twin.spec, twin.nodes_of, twin.gpu, twin.total, twin.node_gpus = self.spec, self.nodes_of, self.gpu, self.total, self.node_gpus
+        twin.free = {k: list(v) for k, v in self.free.items()}
+        twin.free_total = dict(self.free_total)
+        twin.by_free = {t: [dict(b) for b in buckets] for t, buckets in self.by_free.items()}
+        twin.node = self.node
+        twin.running = dict(self.running)
+        return twin

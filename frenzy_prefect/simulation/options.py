@@ -1,0 +1,88 @@
+"""What a job can run as on one GPU type: MARP's fitting plans reduced to their frontier (for
+each GPU count, the fastest plan; then only counts that are faster than every smaller one),
+and the plan a memory-unaware user would run. Cached: a trace has a handful of job shapes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from frenzy_prefect.allocator.plans import plan_space
+from frenzy_prefect.allocator.step_time import step_time_s
+from frenzy_prefect.memory.analytic import peak_bytes
+from frenzy_prefect.profiling.model import PRESETS
+from frenzy_prefect.simulation.jobs import OPTIMIZER_BYTES_PER_PARAM, PRECISION, SEQ_LEN
+from frenzy_prefect.spec.cluster import GpuType
+from frenzy_prefect.spec.plan import ParallelPlan
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    gpu_type: str
+    plan: ParallelPlan
+    peak_bytes: int
+    step_s: float  # all GPUs in one node
+    spread_step_s: float  # the placement spans nodes
+    gpus: int  # plan.gpus, read in every decision
+    def step_time(self, nodes: int) -> float:
+        return self.step_s if nodes == 1 else self.spread_step_s
+
+
+def _workload(global_batch: int) -> dict:
+    return {"global_batch": global_batch, "seq_len": SEQ_LEN, "precision": PRECISION}
+
+
+@lru_cache(maxsize=None)
+def option(model: str, global_batch: int, gpu: GpuType, plan: ParallelPlan, network_gbps: float) -> Option:
+    """``plan`` on ``gpu`` with its predicted peak and step times (in one node; across nodes)."""
+    spec = PRESETS[model]
+    work = _workload(global_batch)
+    peak = peak_bytes(spec, plan, **work, optimizer_bytes_per_param=OPTIMIZER_BYTES_PER_PARAM, gpu=gpu)
+    inside = step_time_s(spec, plan, **work, gpu=gpu)
+    across = inside if plan.gpus == 1 else step_time_s(spec, plan, **work, gpu=gpu, network_gbps=network_gbps)
+    return Option(gpu_type=gpu.name, plan=plan, peak_bytes=peak, step_s=inside, spread_step_s=across, gpus=plan.gpus)
+
+
+@lru_cache(maxsize=None)
+def frontier(model: str, global_batch: int, gpu: GpuType, max_gpus: int, node_gpus: int, network_gbps: float) -> tuple[Option, ...]:
+    """The fitting plans on ``gpu`` worth running, by GPU count ascending, each strictly faster
+    than every smaller one (step time as placed: one node if the plan fits in one)."""
+    spec = PRESETS[model]
+    work = _workload(global_batch)
+    best: dict[int, tuple[float, ParallelPlan]] = {}
+    for plan in plan_space(spec, global_batch, max_gpus, node_gpus):
+        if peak_bytes(spec, plan, **work, optimizer_bytes_per_param=OPTIMIZER_BYTES_PER_PARAM, gpu=gpu) > gpu.memory_bytes:
+            continue
+        network = None if plan.gpus <= node_gpus else network_gbps
+        t = step_time_s(spec, plan, **work, gpu=gpu, network_gbps=network)
+        if plan.gpus not in best or t < best[plan.gpus][0]:
+            best[plan.gpus] = (t, plan)
+    out: list[Option] = []
+    for gpus in sorted(best):
+        t, plan = best[gpus]
+        if not out or t < (out[-1].step_s if out[-1].gpus <= node_gpus else out[-1].spread_step_s):
+            out.append(option(model, global_batch, gpu, plan, network_gbps))
+    return tuple(out)
+
+
+@lru_cache(maxsize=None)
+def naive_plans(global_batch: int, requested_gpus: int, largest_pool: int) -> tuple[ParallelPlan, ...]:
+    """What a user without a memory model runs, attempt after attempt: plain data parallelism
+    on the requested GPUs (at most the largest pool; as many as divide the batch), one
+    micro-batch per step; after each out-of-memory failure twice the GPUs while the pool and
+    the batch allow, then half the micro-batch (accumulating), then full recomputation."""
+    limit = min(largest_pool, global_batch)
+    dp = max(d for d in range(1, min(requested_gpus, limit) + 1) if global_batch % d == 0)
+    micro_batch, recompute = global_batch // dp, "none"
+    ladder = [ParallelPlan(dp=dp, micro_batch=micro_batch)]
+    while True:
+        if dp * 2 <= limit and global_batch % (dp * 2) == 0:
+            dp *= 2
+            micro_batch = global_batch // dp
+        elif micro_batch > 1:
+            micro_batch //= 2
+        elif recompute == "none":
+            recompute = "full"
+        else:
+            return tuple(ladder)
+        ladder.append(ParallelPlan(dp=dp, micro_batch=micro_batch, recompute=recompute))

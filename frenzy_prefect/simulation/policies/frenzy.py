@@ -1,0 +1,141 @@
+"""``frenzy``: HAS online. Each queued job gets the first of MARP's plans, ranked by predicted
+completion time over every GPU type (ties: fewer GPU-seconds), that the free GPUs can hold now,
+placed by HAS stage 2 (exact node, tightest node, greedy split; tensor-parallel groups inside
+a node).
+
+Plan width. A plan is *efficient* when its GPU-seconds per step are within 1 / MIN_EFFICIENCY
+of the cheapest plan's on the same type. Only efficient plans are open to a job while others
+wait behind it; the last job waiting may also take a wider, inefficient plan if it leaves at
+least 1 - IDLE_SHARE of its type's free GPUs free: GPUs nobody is waiting for buy it speed,
+and some stay for the next arrival (no job is ever moved once started).
+
+Order and starvation. The queue is served highest response ratio first ((waited + predicted
+run) / predicted run: short jobs go first, and every waiting job's ratio grows without bound,
+so none starves), with EASY backfilling behind the first job that cannot start: it reserves
+the earliest time one of its plans' GPUs free up (from the running jobs' predicted ends;
+counted per GPU type, not per node), and later jobs start only if they end before then, run on
+another GPU type, or leave the reserved GPUs free. Backfilling looks BACKFILL_DEPTH jobs deep
+(the role of Slurm's bf_max_job_test)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+from frenzy_prefect.simulation.cluster import SimCluster
+from frenzy_prefect.simulation.jobs import SimJob
+from frenzy_prefect.simulation.options import Option
+from frenzy_prefect.simulation.policies.base import Reject, Start, Waiting
+
+MIN_EFFICIENCY = 0.5
+IDLE_SHARE = 0.5
+BACKFILL_DEPTH = 100
+
+
+@dataclass(slots=True)
+class Reservation:
+    """The blocked job's claim on ``gpu_type`` from ``at_s``; ``spare`` GPUs of that type will be
+    free then beyond the claim, for backfilled jobs that outlive it."""
+
+    at_s: float
+    gpu_type: str
+    spare: int
+
+    def admits(self, option: Option, ends_s: float) -> bool:
+        return option.gpu_type != self.gpu_type or ends_s <= self.at_s or option.gpus <= self.spare
+
+    def claim(self, option: Option, ends_s: float) -> None:
+        if option.gpu_type == self.gpu_type and ends_s > self.at_s:
+            self.spare -= option.gpus
+
+
+class Frenzy:
+    name: ClassVar[str] = "frenzy"
+    round_s: ClassVar[float | None] = None
+
+    def __init__(self, min_efficiency: float = MIN_EFFICIENCY, idle_share: float = IDLE_SHARE, backfill_depth: int = BACKFILL_DEPTH) -> None:
+        self.min_efficiency = min_efficiency
+        self.idle_share = idle_share
+        self.backfill_depth = backfill_depth
+        self._ranked: dict[tuple[str, int], list[tuple[Option, bool]]] = {}
+
+    def prepare(self, job: SimJob, cluster: SimCluster) -> None:
+        self.ranked(job, cluster)
+
+    def ranked(self, job: SimJob, cluster: SimCluster) -> list[tuple[Option, bool]]:
+        """The job's plans, best predicted completion first, each with whether it is efficient (cached per job shape)."""
+        key = (job.model, job.global_batch)
+        if key not in self._ranked:
+            plans: list[tuple[Option, bool]] = []
+            for gpu_type in cluster.types:
+                options = cluster.options(job, gpu_type)
+                if options:
+                    cheapest = min(o.gpus * _step(o, cluster) for o in options)
+                    plans += [(o, cheapest >= self.min_efficiency * o.gpus * _step(o, cluster)) for o in options]
+            plans.sort(key=lambda p: (_step(p[0], cluster), p[0].gpus * _step(p[0], cluster)))
+            self._ranked[key] = plans
+        return self._ranked[key]
+
+    def _urgency(self, waiting: Waiting, now: float, cluster: SimCluster) -> float:
+        """Highest response ratio first: (waited + predicted run) / predicted run, negated."""
+        plans = self.ranked(waiting.job, cluster)
+        if not plans:
+            return -math.inf
+        run = waiting.job.steps * _step(plans[0][0], cluster)
+        return -(now - waiting.job.arrival_s + run) / run
+
+    def schedule(self, now: float, queue: list[Waiting], cluster: SimCluster) -> list[Start | Reject]:
+        out: list[Start | Reject] = []
+        reservation: Reservation | None = None
+        looked = 0
+        ordered = sorted(queue, key=lambda w: self._urgency(w, now, cluster))
+        for position, waiting in enumerate(ordered):
+            if not any(cluster.free_total.values()) or looked > self.backfill_depth:
+                break
+            plans = self.ranked(waiting.job, cluster)
+            if not plans:
+                out.append(Reject(waiting, f"no plan fits any GPU type of the cluster ({', '.join(cluster.types)}) in memory"))
+                continue
+            if reservation is not None:
+                looked += 1
+            steps = waiting.job.steps
+            last = position == len(ordered) - 1
+            for o, efficient in plans:
+                if o.gpus > cluster.free_total[o.gpu_type]:
+                    continue
+                if not efficient and (not last or o.gpus > self.idle_share * cluster.free_total[o.gpu_type]):
+                    continue
+                ends = now + steps * _step(o, cluster)
+                if reservation is not None and not reservation.admits(o, ends):
+                    continue
+                placements = cluster.place(o.gpu_type, o.gpus, o.plan.tp)
+                if placements:
+                    if reservation is not None:
+                        reservation.claim(o, ends)
+                    out.append(Start(waiting, o.gpu_type, o.plan, placements))
+                    break
+            else:
+                if reservation is None:
+                    reservation = _reserve([o for o, _ in plans], cluster)
+        return out
+
+
+def _step(option: Option, cluster: SimCluster) -> float:
+    """Predicted step time as HAS would place the plan: in one node when it fits in one."""
+    return option.step_time(1 if option.gpus <= cluster.node_gpus[option.gpu_type] else 2)
+
+
+def _reserve(plans: list[Option], cluster: SimCluster) -> Reservation:
+    """The earliest moment one of the head job's GPU types frees enough GPUs for its smallest plan there."""
+    best = Reservation(math.inf, "", 0)
+    for gpu_type in dict.fromkeys(o.gpu_type for o in plans):  # in rank order: ties go to the better type
+        need = min(o.gpus for o in plans if o.gpu_type == gpu_type)
+        free = cluster.free_total[gpu_type]
+        for end, gpus in sorted((r.end_s, r.gpus) for r in cluster.running.values() if r.gpu_type == gpu_type):
+            free += gpus
+            if free >= need:
+                if end < best.at_s:
+                    best = Reservation(end, gpu_type, free - need)
+                break
+    return best

@@ -1,0 +1,227 @@
+"""HAS in the simulator: the throughput model, the plan frontier, the policies and the
+event-driven replay, on small hand-made clusters and traces (and on a real trace if present)."""
+
+import json
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from frenzy_prefect.allocator.plans import plan_space
+from frenzy_prefect.allocator.step_time import fit_achievable_fraction, step_time_parts, step_time_s
+from frenzy_prefect.errors import FrenzyError
+from frenzy_prefect.memory.analytic import check_plan
+from frenzy_prefect.profiling.model import PRESETS
+from frenzy_prefect.simulation.cluster import SimCluster
+from frenzy_prefect.simulation.inputs import TraceJob, load_cluster, load_trace, shared_traces
+from frenzy_prefect.simulation.jobs import SimJob, sim_jobs
+from frenzy_prefect.simulation.options import frontier, naive_plans
+from frenzy_prefect.simulation.policies import POLICIES, make_policy
+from frenzy_prefect.simulation.policies.frenzy import Reservation
+from frenzy_prefect.simulation.simulator import simulate
+from frenzy_prefect.spec.catalog import GPU_CATALOG
+from frenzy_prefect.spec.cluster import ClusterSpec
+from frenzy_prefect.spec.plan import ParallelPlan, Placement
+
+from .test_cli import frenzy
+
+THREE_TYPES = "examples/clusters/three-types-64.yaml"
+WORK = {"global_batch": 64, "seq_len": 1024, "precision": "fp16"}
+
+
+def cluster(*nodes: tuple[str, int]) -> ClusterSpec:
+    return ClusterSpec(nodes=[{"name": f"n{i}", "host": f"n{i}", "gpu_type": t, "gpu_count": c} for i, (t, c) in enumerate(nodes)])
+
+
+def job(name: str, model: str = "gpt2-small", arrival: float = 0.0, steps: int = 200, gpus: int = 1, batch: int = 64) -> SimJob:
+    return SimJob(job_id=name, arrival_s=arrival, model=model, global_batch=batch, steps=steps, requested_gpus=gpus)
+
+
+# --- throughput model ----------------------------------------------------------------------
+
+
+def test_more_gpus_in_a_node_are_faster_and_crossing_the_network_costs():
+    gpu, model = GPU_CATALOG["A100-80GB"], PRESETS["gpt2-xl"]
+    one, eight = (step_time_s(model, ParallelPlan(dp=d, micro_batch=64 // d), **WORK, gpu=gpu) for d in (1, 8))
+    spread = step_time_s(model, ParallelPlan(dp=8, micro_batch=8), **WORK, gpu=gpu, network_gbps=3.125)
+    assert eight < one / 6 and spread > eight
+
+
+def test_the_faster_gpu_type_predicts_the_shorter_step():
+    plan, model = ParallelPlan(dp=1, micro_batch=8), PRESETS["gpt2-medium"]
+    assert step_time_s(model, plan, **WORK, gpu=GPU_CATALOG["H100"]) < step_time_s(model, plan, **WORK, gpu=GPU_CATALOG["T4"])
+
+
+def test_the_achievable_fraction_is_recovered_from_measured_steps():
+    gpu, model = GPU_CATALOG["A10"], PRESETS["gpt2-small"]
+    samples = []
+    for plan in (ParallelPlan(dp=1, micro_batch=8), ParallelPlan(dp=2, micro_batch=4), ParallelPlan(dp=1, pp=2, micro_batch=2)):
+        compute, rest = step_time_parts(model, plan, **WORK, gpu=gpu)
+        samples.append((compute, rest, compute / 0.27 + rest))
+    assert fit_achievable_fraction(samples) == pytest.approx(0.27)
+    with pytest.raises(ValueError, match="at least one"):
+        fit_achievable_fraction([])
+
+
+# --- plans ---------------------------------------------------------------------------------
+
+
+@settings(max_examples=30, deadline=None)
+@given(model=st.sampled_from(["gpt2-small", "gpt2-xl", "gpt3-6.7b"]), batch=st.sampled_from([8, 12, 64]), max_gpus=st.integers(1, 64), node=st.sampled_from([1, 4, 8]))
+def test_every_plan_in_the_space_is_valid_and_within_the_gpus(model, batch, max_gpus, node):
+    spec = PRESETS[model]
+    for plan in plan_space(spec, batch, max_gpus, node):
+        check_plan(spec, plan)
+        assert plan.gpus <= max_gpus and plan.tp <= node
+        assert batch % (plan.dp * plan.micro_batch) == 0
+
+
+def test_the_frontier_fits_in_memory_and_buys_speed_with_every_gpu_added():
+    gpu = GPU_CATALOG["T4"]
+    options = frontier("gpt2-xl", 64, gpu, 64, 4, 3.125)
+    assert options and options[0].gpus > 1  # 1.5 B parameters with Adam do not fit one 16 GB T4
+    assert all(o.peak_bytes <= gpu.memory_bytes for o in options)
+    gpus = [o.gpus for o in options]
+    times = [o.step_s if o.gpus <= 4 else o.spread_step_s for o in options]
+    assert gpus == sorted(set(gpus)) and times == sorted(times, reverse=True) and len(set(times)) == len(times)
+
+
+def test_a_naive_user_doubles_gpus_then_shrinks_the_micro_batch_then_recomputes():
+    ladder = naive_plans(8, 2, 4)
+    assert [(p.dp, p.micro_batch, p.recompute) for p in ladder] == [
+        (2, 4, "none"), (4, 2, "none"), (4, 1, "none"), (4, 1, "full")
+    ]  # fmt: skip
+
+
+# --- cluster state and policies ----------------------------------------------------------------
+
+
+def test_a_gpu_cannot_be_taken_twice():
+    sim = SimCluster(cluster(("A10", 4)))
+    placed = sim.place("A10", 3)
+    assert placed and sim.free_total["A10"] == 1
+    with pytest.raises(RuntimeError, match="not all free"):
+        sim.take("A10", [Placement(node="n0", host="n0", gpus=[placed[0].gpus[0]])])
+    sim.release("A10", placed)
+    assert sim.free_total["A10"] == 4 and sim.free["n0"] == [0, 1, 2, 3]
+
+
+def test_a_reservation_admits_short_jobs_other_types_and_spare_gpus_only():
+    class O:  # the two fields a reservation reads
+        def __init__(self, gpu_type, gpus):
+            self.gpu_type, self.gpus = gpu_type, gpus
+
+    r = Reservation(at_s=100.0, gpu_type="A100-80GB", spare=2)
+    assert r.admits(O("T4", 8), ends_s=1e9)  # another type
+    assert r.admits(O("A100-80GB", 8), ends_s=100.0)  # ends before the blocked job starts
+    assert not r.admits(O("A100-80GB", 4), ends_s=101.0)  # would hold the blocked job's GPUs
+    backfilled = O("A100-80GB", 2)
+    assert r.admits(backfilled, ends_s=101.0)  # fits in the spare
+    r.claim(backfilled, ends_s=101.0)
+    assert not r.admits(O("A100-80GB", 1), ends_s=101.0)  # the spare is used up
+    r.claim(O("A100-80GB", 8), ends_s=50.0)  # gone before the blocked job starts: no claim
+    assert r.spare == 0 and r.admits(O("A100-80GB", 8), ends_s=99.0)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_every_policy_finishes_every_job_that_fits_and_accounts_for_the_rest(policy):
+    spec = cluster(("T4", 4), ("A100-80GB", 2))
+    jobs = [job(f"j{i}", model=m, arrival=60.0 * i, gpus=g) for i, (m, g) in enumerate([("gpt2-small", 1), ("gpt2-xl", 2), ("gpt2-medium", 4), ("gpt2-small", 8), ("gpt2-xl", 1)] * 3)]
+    jobs.append(job("huge", model="gpt3-13b", arrival=5.0, gpus=1, batch=8))  # 13 B: fits nowhere here
+    result = simulate(jobs, spec, make_policy(policy))
+    assert result.jobs_completed + result.jobs_unschedulable == len(jobs)
+    assert "huge" in {u.job_id for u in result.unschedulable}
+    assert 0 < result.gpu_utilization <= 1
+    assert result.p50_jct_s <= result.p99_jct_s and result.decisions > 0
+
+
+def test_memory_unaware_policies_run_out_of_memory_and_retry_where_frenzy_does_not():
+    spec = cluster(("T4", 4), ("A100-80GB", 8))
+    jobs = [job(f"xl{i}", model="gpt2-xl", arrival=10.0 * i, gpus=1) for i in range(4)]
+    first_fit, fastest, has = (simulate(jobs, spec, make_policy(p)) for p in ("first-fit", "fastest-type", "frenzy"))
+    # A whole batch of 64 on one GPU does not fit even 80 GB; on a 16 GB T4 not even the states do.
+    assert first_fit.out_of_memory_restarts > 0 and fastest.out_of_memory_restarts > 0
+    assert has.out_of_memory_restarts == 0 and has.jobs_completed == 4
+
+
+def test_frenzy_uses_the_free_slow_type_rather_than_queueing_for_the_fast_one():
+    spec = cluster(("A100-80GB", 1), ("T4", 4))
+    jobs = [job("long", steps=20_000), job("next", arrival=1.0)]
+    result = simulate(jobs, spec, make_policy("frenzy"))
+    long_alone = simulate([jobs[0]], spec, make_policy("frenzy")).avg_jct_s
+    assert result.p99_jct_s == pytest.approx(long_alone)  # "next" never waited for "long"
+    assert result.p50_jct_s < long_alone
+
+
+def test_the_work_is_the_same_whatever_the_policy():
+    trace = [
+        TraceJob(job_id="a", submission_time=100, num_iteration=5, model_name="bert", deadline=0, batch_size=64, num_gpu=2, duration=3600),
+        TraceJob(job_id="b", submission_time=160, num_iteration=9, model_name="gpt2", deadline=0, batch_size=32, num_gpu=1, duration=600),
+    ]
+    a, b = sim_jobs(trace)
+    assert (a.arrival_s, b.arrival_s) == (0.0, 60.0)
+    assert (a.model, b.model) == ("gpt2-medium", "gpt2-xl")
+    assert b.steps >= 1 and a.steps > b.steps
+    with pytest.raises(FrenzyError, match="unknown model_name 'lstm'"):
+        sim_jobs([trace[0].model_copy(update={"model_name": "lstm"})])
+
+
+# --- inputs and the command line ---------------------------------------------------------------
+
+HEADER = "job_id,submission_time,num_iteration,model_name,deadline,batch_size,num_gpu,duration\n"
+
+
+def test_simulate_json_has_the_contracted_fields(tmp_path):
+    trace = tmp_path / "t.csv"
+    trace.write_text(HEADER + "a,0,10,resnet50,0,64,1,600\nb,30,10,gpt2,0,128,8,1200\nc,60,10,bert,0,32,2,900\n")
+    for policy in POLICIES:
+        out = frenzy("simulate", "--trace", str(trace), "--cluster", THREE_TYPES, "--policy", policy, "--json")
+        assert out.returncode == 0, out.stderr
+        data = json.loads(out.stdout)
+        assert {"policy", "jobs_total", "jobs_completed", "avg_jct_s", "p50_jct_s", "p99_jct_s", "makespan_s", "gpu_utilization"} <= set(data)
+        assert set(data["decision_latency_ms"]) == {"p50", "p99", "max"}
+        assert data["policy"] == policy and data["jobs_total"] == 3
+        assert data["jobs_completed"] + data["jobs_unschedulable"] == 3
+        assert data["jobs_completed"] == 3 or policy in ("first-fit", "fastest-type")  # GPT-2 XL, memory-unaware
+
+
+def test_simulate_rejects_bad_input_in_one_line(tmp_path):
+    trace = tmp_path / "t.csv"
+    trace.write_text(HEADER + "a,0,10,resnet50,0,64,-1,600\n")
+    out = frenzy("simulate", "--trace", str(trace), "--cluster", THREE_TYPES)
+    assert out.returncode == 2 and out.stderr.strip() == f"error: {trace}:2: column num_gpu: -1 is negative"
+    trace.write_text(HEADER + "a,0,10,resnet50,0,64,1,600\n")
+    out = frenzy("simulate", "--trace", str(trace), "--cluster", THREE_TYPES, "--policy", "random")
+    assert out.returncode == 2 and "unknown policy 'random'; known: frenzy, first-fit, fastest-type, ilp" in out.stderr
+    nodes = tmp_path / "nodes.csv"
+    nodes.write_text("sn,cpu_milli,memory_mib,gpu,model\nn0,1,1,8,G2\n")
+    out = frenzy("simulate", "--trace", str(trace), "--cluster", str(nodes))
+    assert out.returncode == 2 and "unknown gpu_type 'G2'" in out.stderr and "A100-80GB" in out.stderr and "--gpu-types" in out.stderr
+    types = tmp_path / "types.yaml"
+    types.write_text("G2: {memory_bytes: -5}\n")
+    out = frenzy("simulate", "--trace", str(trace), "--cluster", str(nodes), "--gpu-types", str(types))
+    assert out.returncode == 2 and str(types) in out.stderr and "memory_bytes" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_declared_gpu_types_complete_an_alibaba_node_list(tmp_path):
+    nodes = tmp_path / "nodes.csv"
+    nodes.write_text("sn,cpu_milli,memory_mib,gpu,model\nn0,1,1,8,G2\nn1,1,1,0,\nn2,1,1,2,V100M32\n")
+    spec = load_cluster(nodes, "examples/clusters/alibaba-gpu-types.yaml")
+    assert [(n.gpu_type, n.gpu_count) for n in spec.nodes] == [("G2", 8), ("V100-32GB", 2)]
+    assert spec.gpu_of(spec.nodes[0]).memory_bytes == 24 * 2**30
+
+
+TRACES = shared_traces()
+
+
+@pytest.mark.skipif(not TRACES.exists(), reason="the shared traces are not beside this checkout")
+def test_a_real_trace_replays_under_every_policy_on_the_three_type_cluster():
+    jobs = sim_jobs(load_trace(TRACES / "elasticflow" / "195job.csv"))
+    spec = load_cluster(THREE_TYPES)
+    results = {p: simulate(jobs, spec, make_policy(p)) for p in POLICIES}
+    for r in results.values():
+        assert r.jobs_completed + r.jobs_unschedulable == 195
+        assert math.isfinite(r.avg_jct_s) and r.makespan_s > 0
+    assert results["frenzy"].jobs_completed == 195 and results["frenzy"].out_of_memory_restarts == 0
