@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from frenzy_prefect.allocator.plans import plan_space
-from frenzy_prefect.allocator.step_time import fit_achievable_fraction, step_time_parts, step_time_s
+from frenzy_prefect.allocator.step_time import fit_achievable_fraction, predict_step
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.memory.analytic import check_plan
 from frenzy_prefect.profiling.model import PRESETS
@@ -43,22 +43,23 @@ def job(name: str, model: str = "gpt2-small", arrival: float = 0.0, steps: int =
 
 def test_more_gpus_in_a_node_are_faster_and_crossing_the_network_costs():
     gpu, model = GPU_CATALOG["A100-80GB"], PRESETS["gpt2-xl"]
-    one, eight = (step_time_s(model, ParallelPlan(dp=d, micro_batch=64 // d), **WORK, gpu=gpu) for d in (1, 8))
-    spread = step_time_s(model, ParallelPlan(dp=8, micro_batch=8), **WORK, gpu=gpu, network_gbps=3.125)
+    one, eight = (predict_step(model, ParallelPlan(dp=d, micro_batch=64 // d), **WORK, gpu=gpu).seconds for d in (1, 8))
+    spread = predict_step(model, ParallelPlan(dp=8, micro_batch=8), **WORK, gpu=gpu, network_gbps=3.125).seconds
     assert eight < one / 6 and spread > eight
 
 
 def test_the_faster_gpu_type_predicts_the_shorter_step():
     plan, model = ParallelPlan(dp=1, micro_batch=8), PRESETS["gpt2-medium"]
-    assert step_time_s(model, plan, **WORK, gpu=GPU_CATALOG["H100"]) < step_time_s(model, plan, **WORK, gpu=GPU_CATALOG["T4"])
+    fast, slow = (predict_step(model, plan, **WORK, gpu=GPU_CATALOG[t]).seconds for t in ("H100", "T4"))
+    assert fast < slow
 
 
 def test_the_achievable_fraction_is_recovered_from_measured_steps():
     gpu, model = GPU_CATALOG["A10"], PRESETS["gpt2-small"]
     samples = []
     for plan in (ParallelPlan(dp=1, micro_batch=8), ParallelPlan(dp=2, micro_batch=4), ParallelPlan(dp=1, pp=2, micro_batch=2)):
-        compute, rest = step_time_parts(model, plan, **WORK, gpu=gpu)
-        samples.append((compute, rest, compute / 0.27 + rest))
+        predicted = predict_step(model, plan, **WORK, gpu=gpu)
+        samples.append((predicted, predicted.compute_at_peak_s / 0.27 + predicted.other_s))
     assert fit_achievable_fraction(samples) == pytest.approx(0.27)
     with pytest.raises(ValueError, match="at least one"):
         fit_achievable_fraction([])
@@ -225,3 +226,18 @@ def test_a_real_trace_replays_under_every_policy_on_the_three_type_cluster():
         assert r.jobs_completed + r.jobs_unschedulable == 195
         assert math.isfinite(r.avg_jct_s) and r.makespan_s > 0
     assert results["frenzy"].jobs_completed == 195 and results["frenzy"].out_of_memory_restarts == 0
+
+
+def test_plan_over_the_full_space_splits_a_model_no_single_gpu_of_a_type_holds():
+    out = frenzy("plan", "gpt2-xl", "--global-batch", "64", "--seq-len", "1024", "--cluster", THREE_TYPES, "--precision", "fp16", "--space", "full", "--top", "100000", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    times = [p["step_time_s"] for p in data["plans"]]
+    assert times == sorted(times)
+    t4 = [p for p in data["plans"] if p["gpu_type"] == "T4"]
+    assert t4 and all(p["gpus"] > 1 for p in t4)  # 1.5 B with Adam never fits one 16 GB T4, but splits do
+    chosen = data["chosen"]
+    assert sum(len(p["gpus"]) for p in chosen["placements"]) == chosen["plan"]["dp"] * chosen["plan"]["tp"] * chosen["plan"]["pp"]
+    assert frenzy("plan", "gpt2-xl", "--global-batch", "64", "--seq-len", "1024", "--cluster", THREE_TYPES, "--space", "all").stderr.strip() == (
+        "error: --space must be engine or full, not 'all'"
+    )

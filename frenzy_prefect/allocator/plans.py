@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Literal
 
-from frenzy_prefect.allocator.step_time import step_time_s
+from frenzy_prefect.allocator.step_time import predict_step
 from frenzy_prefect.errors import NoFeasiblePlan
 from frenzy_prefect.memory.analytic import estimate
 from frenzy_prefect.spec.cluster import ClusterSpec, GpuType
@@ -95,7 +95,7 @@ def candidate_plans(
                         model, plan, **workload, optimizer_bytes_per_param=request.optimizer.state_bytes_per_parameter, gpu=gpu
                     ),
                     gpu_memory_bytes=gpu.memory_bytes,
-                    step_time_s=step_time_s(model, plan, **workload, gpu=gpu, network_gbps=network),
+                    step_time_s=predict_step(model, plan, **workload, gpu=gpu, network_gbps=network).seconds,
                 )
             )
     out.sort(

@@ -19,6 +19,8 @@ Assumptions (each a knob; ``fit_achievable_fraction`` calibrates the first from 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from frenzy_prefect.memory.analytic import COMPUTE_BYTES, FP32, stage_parameters
 from frenzy_prefect.spec.cluster import GpuType
 from frenzy_prefect.spec.model import ModelSpec
@@ -39,7 +41,19 @@ def flops_per_token(model: ModelSpec, seq_len: int, recompute: str = "none") -> 
     return 6 * model.parameters + attention + extra[recompute]
 
 
-def step_time_parts(
+class StepTime(NamedTuple):
+    """A predicted step: compute at 100% of peak, everything else, and the type's fraction."""
+
+    compute_at_peak_s: float
+    other_s: float
+    achievable_fraction: float
+
+    @property
+    def seconds(self) -> float:
+        return self.compute_at_peak_s / self.achievable_fraction + self.other_s
+
+
+def predict_step(
     model: ModelSpec,
     plan: ParallelPlan,
     *,
@@ -48,9 +62,9 @@ def step_time_parts(
     precision: Precision,
     gpu: GpuType,
     network_gbps: float | None = None,
-) -> tuple[float, float]:
-    """(compute seconds at 100% of peak, everything else in seconds); ``network_gbps`` is the
-    bandwidth between nodes when the placement spans nodes, None when it fits in one."""
+) -> StepTime:
+    """``network_gbps`` is the bandwidth between nodes when the placement spans nodes, None
+    when it fits in one."""
     accumulation = plan.accumulation(global_batch)
     tokens = global_batch * seq_len
     peak = (gpu.fp32_tflops if precision == "fp32" else gpu.half_tflops) * 1e12
@@ -68,33 +82,16 @@ def step_time_parts(
     pp_comm = 0.0 if plan.pp == 1 else 2 * (accumulation + plan.pp - 1) * activation / (between * 1e9)
     updated = stage_params / (plan.dp if plan.zero else 1)
     optimizer = OPTIMIZER_BYTES_MOVED * updated / (gpu.memory_bandwidth_gbps * 1e9)
-    return compute, dp_comm + tp_comm + pp_comm + optimizer
+    return StepTime(compute, dp_comm + tp_comm + pp_comm + optimizer, gpu.achievable_fraction)
 
 
-def step_time_s(
-    model: ModelSpec,
-    plan: ParallelPlan,
-    *,
-    global_batch: int,
-    seq_len: int,
-    precision: Precision,
-    gpu: GpuType,
-    network_gbps: float | None = None,
-) -> float:
-    compute, rest = step_time_parts(
-        model, plan, global_batch=global_batch, seq_len=seq_len, precision=precision, gpu=gpu, network_gbps=network_gbps
-    )
-    return compute / gpu.achievable_fraction + rest
-
-
-def fit_achievable_fraction(samples: list[tuple[float, float, float]]) -> float:
-    """The fraction that best explains measured steps: ``samples`` are (compute at peak,
-    the rest, measured seconds) from ``step_time_parts``; least squares of
-    measured - rest = compute / fraction."""
+def fit_achievable_fraction(samples: list[tuple[StepTime, float]]) -> float:
+    """The fraction that best explains measured steps (``samples``: a prediction and the
+    measured seconds): least squares of measured - other = compute at peak / fraction."""
     if not samples:
         raise ValueError("fitting needs at least one measured step time")
-    num = sum(c * c for c, _, _ in samples)
-    den = sum(c * (m - r) for c, r, m in samples)
+    num = sum(p.compute_at_peak_s**2 for p, _ in samples)
+    den = sum(p.compute_at_peak_s * (measured - p.other_s) for p, measured in samples)
     if den <= 0:
         raise ValueError("measured step times are not longer than the predicted communication; nothing to fit")
     return min(1.0, num / den)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from frenzy_prefect.allocator.plans import plan_space
-from frenzy_prefect.allocator.step_time import step_time_s
+from frenzy_prefect.allocator.step_time import predict_step
 from frenzy_prefect.memory.analytic import peak_bytes
 from frenzy_prefect.profiling.model import PRESETS
 from frenzy_prefect.simulation.jobs import OPTIMIZER_BYTES_PER_PARAM, PRECISION, SEQ_LEN
@@ -38,8 +38,8 @@ def option(model: str, global_batch: int, gpu: GpuType, plan: ParallelPlan, netw
     spec = PRESETS[model]
     work = _workload(global_batch)
     peak = peak_bytes(spec, plan, **work, optimizer_bytes_per_param=OPTIMIZER_BYTES_PER_PARAM, gpu=gpu)
-    inside = step_time_s(spec, plan, **work, gpu=gpu)
-    across = inside if plan.gpus == 1 else step_time_s(spec, plan, **work, gpu=gpu, network_gbps=network_gbps)
+    inside = predict_step(spec, plan, **work, gpu=gpu).seconds
+    across = inside if plan.gpus == 1 else predict_step(spec, plan, **work, gpu=gpu, network_gbps=network_gbps).seconds
     return Option(gpu_type=gpu.name, plan=plan, peak_bytes=peak, step_s=inside, spread_step_s=across, gpus=plan.gpus)
 
 
@@ -54,7 +54,7 @@ def frontier(model: str, global_batch: int, gpu: GpuType, max_gpus: int, node_gp
         if peak_bytes(spec, plan, **work, optimizer_bytes_per_param=OPTIMIZER_BYTES_PER_PARAM, gpu=gpu) > gpu.memory_bytes:
             continue
         network = None if plan.gpus <= node_gpus else network_gbps
-        t = step_time_s(spec, plan, **work, gpu=gpu, network_gbps=network)
+        t = predict_step(spec, plan, **work, gpu=gpu, network_gbps=network).seconds
         if plan.gpus not in best or t < best[plan.gpus][0]:
             best[plan.gpus] = (t, plan)
     out: list[Option] = []
