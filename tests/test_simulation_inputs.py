@@ -41,6 +41,7 @@ def test_the_alibaba_cluster_needs_its_undisclosed_types_declared_and_then_has_6
         ("a,10,5,gpt2,20,32,one,100\n", ":2: column num_gpu: 'one' is not a number"),
         ("a,10,5,gpt2,20,32,1,100\nb,-3,5,gpt2,20,32,1,100\n", ":3: column submission_time: -3 is negative"),
         ("a,10,5,gpt2,20,32,1.5,100\n", ":2: column num_gpu: 1.5 is not a whole number"),
+        ("a,10,5,gpt2,20,32,1,100\na,11,5,gpt2,20,32,1,100\n", ":3: column job_id: 'a' repeats line 2; job ids must be unique"),
         ("a,10,0,gpt2,20,32,1,100\n", ":2: num_iteration: Input should be greater than 0 (got 0)"),
         ("", "holds no jobs"),
     ],

@@ -64,6 +64,10 @@ class SimCluster:
             job.model, job.global_batch, self.gpu[gpu_type], self.total[gpu_type], self.node_gpus[gpu_type], self.spec.network_gbps
         )
 
+    def predicted_step_s(self, option: Option) -> float:
+        """The step time HAS expects of a plan: inside one node whenever it fits in one."""
+        return option.step_time(1 if option.gpus <= self.node_gpus[option.gpu_type] else 2)
+
     def place(self, gpu_type: str, gpus: int, group: int = 1) -> list[Placement] | None:
         """HAS stage 2 on the free GPUs of ``gpu_type``; the GPUs are taken if it succeeds."""
         if gpus > self.free_total[gpu_type]:

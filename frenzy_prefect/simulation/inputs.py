@@ -84,12 +84,16 @@ def load_trace(path: str | Path) -> list[TraceJob]:
     """An ElasticFlow job trace, in submission order."""
     path = Path(path)
     integers = ("submission_time", "num_iteration", "deadline", "batch_size", "num_gpu", "duration")
-    jobs = []
+    jobs, seen = [], {}
     for line, row in _rows(path, integers, ("job_id", "model_name")):
         try:
-            jobs.append(TraceJob.model_validate(row))
+            job = TraceJob.model_validate(row)
         except ValidationError as exc:
             raise FrenzyError(f"{path}:{line}: {describe_validation_error(exc)}") from None
+        if job.job_id in seen:
+            raise FrenzyError(f"{path}:{line}: column job_id: {job.job_id!r} repeats line {seen[job.job_id]}; job ids must be unique")
+        seen[job.job_id] = line
+        jobs.append(job)
     if not jobs:
         raise FrenzyError(f"{path} holds no jobs")
     return sorted(jobs, key=lambda j: (j.submission_time, j.job_id))

@@ -71,9 +71,9 @@ class Frenzy:
             for gpu_type in cluster.types:
                 options = cluster.options(job, gpu_type)
                 if options:
-                    cheapest = min(o.gpus * _step(o, cluster) for o in options)
-                    plans += [(o, cheapest >= self.min_efficiency * o.gpus * _step(o, cluster)) for o in options]
-            plans.sort(key=lambda p: (_step(p[0], cluster), p[0].gpus * _step(p[0], cluster)))
+                    cheapest = min(o.gpus * cluster.predicted_step_s(o) for o in options)
+                    plans += [(o, cheapest >= self.min_efficiency * o.gpus * cluster.predicted_step_s(o)) for o in options]
+            plans.sort(key=lambda p: (cluster.predicted_step_s(p[0]), p[0].gpus * cluster.predicted_step_s(p[0])))
             self._ranked[key] = plans
         return self._ranked[key]
 
@@ -82,7 +82,7 @@ class Frenzy:
         plans = self.ranked(waiting.job, cluster)
         if not plans:
             return -math.inf
-        run = waiting.job.steps * _step(plans[0][0], cluster)
+        run = waiting.job.steps * cluster.predicted_step_s(plans[0][0])
         return -(now - waiting.job.arrival_s + run) / run
 
     def schedule(self, now: float, queue: list[Waiting], cluster: SimCluster) -> list[Start | Reject]:
@@ -106,7 +106,7 @@ class Frenzy:
                     continue
                 if not efficient and (not last or o.gpus > self.idle_share * cluster.free_total[o.gpu_type]):
                     continue
-                ends = now + steps * _step(o, cluster)
+                ends = now + steps * cluster.predicted_step_s(o)
                 if reservation is not None and not reservation.admits(o, ends):
                     continue
                 placements = cluster.place(o.gpu_type, o.gpus, o.plan.tp)
@@ -119,11 +119,6 @@ class Frenzy:
                 if reservation is None:
                     reservation = _reserve([o for o, _ in plans], cluster)
         return out
-
-
-def _step(option: Option, cluster: SimCluster) -> float:
-    """Predicted step time as HAS would place the plan: in one node when it fits in one."""
-    return option.step_time(1 if option.gpus <= cluster.node_gpus[option.gpu_type] else 2)
 
 
 def _reserve(plans: list[Option], cluster: SimCluster) -> Reservation:

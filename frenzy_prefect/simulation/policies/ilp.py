@@ -63,7 +63,7 @@ class Ilp:
             if not options:
                 out.append(Reject(waiting, f"no plan fits any GPU type of the cluster ({', '.join(cluster.types)}) in memory"))
                 continue
-            runtime = {o: job.steps * o.step_time(1 if o.gpus <= cluster.node_gpus[o.gpu_type] else 2) for o in options}
+            runtime = {o: job.steps * cluster.predicted_step_s(o) for o in options}
             cheapest = runtime[min(options, key=lambda o: o.gpus * runtime[o])]
             waited = now - job.arrival_s
             choices += [(j, o, 2 - runtime[o] / cheapest + waited / cheapest) for o in options if o.gpus <= cluster.free_total[o.gpu_type]]
