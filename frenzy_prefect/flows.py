@@ -40,6 +40,7 @@ def train_llm(
         model=model,
         dataset=dataset,
         allocation=allocation,
+        cluster=state.cluster,
         output=request.output or default_output(request.dataset, flow_run.get_name() or "local"),
     )
     result, training_run = train(job, training_deployment)

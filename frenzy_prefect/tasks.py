@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import json
 
-from prefect import task
+from prefect import get_client, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.deployments import run_deployment
 from prefect.logging import get_run_logger
+from prefect.utilities.asyncutils import run_coro_as_sync
 
 from frenzy_prefect import allocator
 from frenzy_prefect.blocks import FrenzyCluster
-from frenzy_prefect.errors import FrenzyError
+from frenzy_prefect.errors import ClusterBusy, FrenzyError
 from frenzy_prefect.profiling.dataset import profile_dataset as _profile_dataset
 from frenzy_prefect.profiling.model import resolve_model
-from frenzy_prefect.spec.cluster import ClusterState
+from frenzy_prefect.reservations import GpuReservations
+from frenzy_prefect.spec.cluster import ClusterSpec, ClusterState
 from frenzy_prefect.spec.dataset import DatasetInfo
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import Allocation, MemoryBreakdown, PlanCandidate, TrainingJob
@@ -53,7 +55,8 @@ def profile_dataset(request: TrainingRequest, model: ModelSpec) -> DatasetInfo:
 
 @task
 def profile_cluster(cluster: str) -> ClusterState:
-    """The cluster's state now, from the FrenzyCluster block named ``cluster``."""
+    """The cluster's state now: the FrenzyCluster block named ``cluster``, less the GPUs other
+    runs hold (the reservations the `frenzy` workers share)."""
     try:
         block = FrenzyCluster.load(cluster)
     except ValueError:
@@ -62,8 +65,17 @@ def profile_cluster(cluster: str) -> ClusterState:
         ) from None
     spec = block.cluster
     gpus = ", ".join(f"{n.name}: {n.gpu_count} x {n.gpu_type}" for n in spec.nodes)
-    get_run_logger().info(f"Cluster {spec.name}: {gpus}")
-    return ClusterState.idle(spec)
+    state = run_coro_as_sync(_live_state(spec))
+    busy = sum(n.gpu_count - len(state.free_gpus[n.name]) for n in spec.nodes)
+    get_run_logger().info(f"Cluster {spec.name}: {gpus}; {busy} GPU(s) held by other runs")
+    return state
+
+
+async def _live_state(spec: ClusterSpec) -> ClusterState:
+    async with get_client() as client:
+        reservations = GpuReservations(client, spec)
+        await reservations.ensure()
+        return await reservations.state()
 
 
 @task
@@ -94,8 +106,14 @@ def estimate_memory(model: ModelSpec, request: TrainingRequest, state: ClusterSt
 
 @task
 def allocate(candidates: list[PlanCandidate], state: ClusterState) -> Allocation:
-    """HAS: the first plan the free GPUs can hold, bin-packed onto nodes. Nothing starts if none fits."""
-    chosen = allocator.allocate(candidates, state)
+    """HAS: the first plan the free GPUs can hold, bin-packed onto nodes; if other runs hold
+    every GPU that would do, the best plan on the idle cluster, whose GPUs the `frenzy` worker
+    then waits for. Nothing starts if no plan fits the cluster at all."""
+    try:
+        chosen = allocator.allocate(candidates, state)
+    except ClusterBusy as busy:
+        chosen = allocator.allocate(candidates, ClusterState.idle(state.cluster))
+        get_run_logger().info(f"{busy}; the run will wait for {chosen.plan.gpus} x {chosen.gpu_type}")
     breakdown = _breakdown_row(chosen.memory.peak_stage)
     placed = ", ".join(f"{p.node} GPUs {p.gpus}" for p in chosen.placements)
     create_markdown_artifact(

@@ -2,8 +2,12 @@
 
 A flow run with a ``job`` parameter (a TrainingJob, as `train_llm` submits to the
 `distributed-train` deployment) becomes one torchrun agent per allocated node, rank 0 of which
-executes the flow run itself. Any other flow run (the `train_llm` pipeline) runs as one
-process on the worker's machine, like Prefect's process worker.
+executes the flow run itself. Before starting it, the worker places the job's plan on the GPUs
+free *now* (HAS stage 2 over the reservations every worker of the pool shares) and takes them
+in one transaction; while they are not free the run waits, first come first served within this
+worker, and its log says what it waits for. The reservation's lease is renewed while the ranks
+run and released when they end, however they end. Any other flow run (the `train_llm`
+pipeline) runs as one process on the worker's machine, like Prefect's process worker.
 """
 
 from __future__ import annotations
@@ -14,18 +18,25 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from uuid import UUID
+
+import anyio
 import anyio.abc
+from prefect import get_client
 from prefect.client.schemas.objects import FlowRun
 from prefect.workers.base import BaseJobConfiguration, BaseVariables, BaseWorker, BaseWorkerResult
 from pydantic import Field
 
+from frenzy_prefect.allocator.placement import place
 from frenzy_prefect.launch.command import Launch
 from frenzy_prefect.launch.local import start_local, stop_process_groups
 from frenzy_prefect.launch.torchrun import rank_launches
+from frenzy_prefect.reservations import LEASE_S, GpuReservations
 from frenzy_prefect.spec.plan import TrainingJob
 from frenzy_prefect.training.distributed import free_port
 
 JOB_PARAMETER = "job"
+RETRY_S = 2.0  # how often a waiting run looks at the reservations again
 
 
 class FrenzyJobConfiguration(BaseJobConfiguration):
@@ -63,9 +74,8 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, FrenzyVariables, FrenzyWor
         "one process per allocated GPU, ranks wired up by torch.distributed."
     )
 
-    def launches_for(self, flow_run: FlowRun, configuration: FrenzyJobConfiguration) -> list[Launch]:
+    def launches_for(self, configuration: FrenzyJobConfiguration, job: TrainingJob | None) -> list[Launch]:
         env = {k: v for k, v in {**os.environ, **configuration.env}.items() if v is not None}
-        job = training_job_of(flow_run)
         if job is None:
             return [Launch(host="127.0.0.1", argv=shlex.split(configuration.command or ""), env=env)]
         return rank_launches(job, python=sys.executable, master_port=free_port(), env=env)
@@ -76,8 +86,63 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, FrenzyVariables, FrenzyWor
         configuration: FrenzyJobConfiguration,
         task_status: Optional[anyio.abc.TaskStatus[Any]] = None,
     ) -> FrenzyWorkerResult:
+        job = training_job_of(flow_run)
+        if job is None:
+            return await self._launch(flow_run, configuration, None, task_status)
+        async with get_client() as client:
+            reservations = GpuReservations(client, job.cluster)
+            await reservations.ensure()
+            job, lease = await self._reserve(flow_run, job, reservations)
+            try:
+                async with anyio.create_task_group() as renewals:
+                    renewals.start_soon(self._keep, reservations, lease)
+                    result = await self._launch(flow_run, configuration, job, task_status)
+                    renewals.cancel_scope.cancel()
+                return result
+            finally:
+                with anyio.CancelScope(shield=True):
+                    self.get_flow_run_logger(flow_run).info(f"Releasing GPUs {_gpus(job)}")
+                    await reservations.release(lease)
+
+    async def _reserve(self, flow_run: FlowRun, job: TrainingJob, reservations: GpuReservations) -> tuple[TrainingJob, UUID]:
+        """The job's plan placed on GPUs free now, and the lease that holds them; waits its turn."""
         logger = self.get_flow_run_logger(flow_run)
-        launches = self.launches_for(flow_run, configuration)
+        waiting = self.__dict__.setdefault("_waiting", [])  # flow runs of this worker waiting for GPUs, in arrival order
+        waiting.append(flow_run.id)
+        plan, gpu_type = job.allocation.plan, job.allocation.gpu_type
+        said = ""
+        try:
+            while True:
+                position = waiting.index(flow_run.id)
+                if position == 0:
+                    state = await reservations.state()
+                    free = [(n, state.free_gpus[n.name]) for n in job.cluster.nodes if n.gpu_type == gpu_type]
+                    placements = place(plan.gpus, free, group=plan.tp)
+                    lease = placements and await reservations.acquire(placements, flow_run.id)
+                    if lease:
+                        placed = job.model_copy(update={"allocation": job.allocation.model_copy(update={"placements": placements})})
+                        logger.info(f"Reserved GPUs {_gpus(placed)} of cluster {job.cluster.name!r}")
+                        return placed, lease
+                    reason = f"waiting for {plan.gpus} x {gpu_type}; {sum(len(g) for _, g in free)} free now, held by other runs"
+                else:
+                    reason = f"waiting for {plan.gpus} x {gpu_type}: position {position + 1} in this worker's queue"
+                if reason != said:
+                    logger.info(reason)
+                    said = reason
+                await anyio.sleep(RETRY_S)
+        finally:
+            waiting.remove(flow_run.id)
+
+    async def _keep(self, reservations: GpuReservations, lease: UUID) -> None:
+        while True:
+            await anyio.sleep(LEASE_S / 4)
+            await reservations.renew(lease)
+
+    async def _launch(
+        self, flow_run: FlowRun, configuration: FrenzyJobConfiguration, job: TrainingJob | None, task_status: Optional[anyio.abc.TaskStatus[Any]]
+    ) -> FrenzyWorkerResult:
+        logger = self.get_flow_run_logger(flow_run)
+        launches = self.launches_for(configuration, job)
         nodes = ", ".join(f"{l.node or l.host} x{l.processes}" for l in launches)
         group = await start_local(launches, cwd=configuration.working_dir)
         logger.info(f"Started {sum(l.processes for l in launches)} process(es) on {nodes}; PIDs {group.identifier}")
@@ -90,3 +155,7 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, FrenzyVariables, FrenzyWor
         self, infrastructure_pid: str, configuration: FrenzyJobConfiguration, grace_seconds: int = 30
     ) -> None:
         await stop_process_groups([int(p) for p in infrastructure_pid.split(",") if p], grace_seconds)
+
+
+def _gpus(job: TrainingJob) -> str:
+    return ", ".join(f"{p.node}{p.gpus}" for p in job.allocation.placements)

@@ -5,8 +5,11 @@ cluster that was never saved."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 import time
+from itertools import pairwise
 from uuid import UUID
 
 import pytest
@@ -22,10 +25,12 @@ from prefect.client.schemas.filters import (
 from prefect.client.schemas.objects import FlowRun
 
 from frenzy_prefect.flows import default_output
+from frenzy_prefect.reservations import GpuReservations
+from frenzy_prefect.spec.cluster import ClusterSpec
 from frenzy_prefect.spec.result import TrainingReport
 from frenzy_prefect.storage import exists, open_uri
 
-from .conftest import BUCKET
+from .conftest import BUCKET, EXAMPLE_CLUSTER
 
 pytestmark = pytest.mark.e2e
 
@@ -137,3 +142,56 @@ def test_reports_are_json_a_pipeline_can_read(runs, dataset):
     with open_uri(f"{default_output(dataset, runs['good'].name)}/report.json", "r") as f:
         data = json.load(f)
     assert {"model", "parameters", "allocation", "result", "training_flow_run"} <= set(data)
+
+
+CROWD = 5
+
+
+@pytest.fixture(scope="module")
+def crowd(stack, worker_pool, dataset, runs) -> list[FlowRun]:
+    """Five more runs at once, after the first four: more than the example cluster's four GPUs
+    can hold together (each trains on two)."""
+    with stack.client_settings():
+        from prefect.deployments import run_deployment
+
+        request = GOOD | {"dataset": dataset, "steps": 5}
+        ids = [run_deployment("train-llm/frenzy", parameters={"request": request, "cluster": "local-hetero"}, timeout=0).id for _ in range(CROWD)]
+        return [wait_final(run_id) for run_id in ids]
+
+
+def test_runs_that_oversubscribe_the_gpus_all_complete_and_never_share_one(stack, crowd):
+    assert all(run.state.is_completed() for run in crowd), [run.state.message for run in crowd]
+    trainings = [child for run in crowd for child in children(stack, run)]
+    assert len(trainings) == CROWD
+    # The worker releases a run's GPUs after its processes exit, which can be just after the
+    # run is marked complete; its logs reach the server in batches.
+    deadline = time.monotonic() + 60
+    with stack.client_settings(), get_client(sync_client=True) as client:
+        while True:
+            logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[t.id for t in trainings])))
+            if sum(log.message.startswith("Releasing GPUs ") for log in logs) == CROWD or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+    # The record: each training run logs the GPUs it reserved (after taking them) and is
+    # releasing (before letting them go), so its logged span lies inside its real hold.
+    spans: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for training in trainings:
+        mine = sorted((log for log in logs if log.flow_run_id == training.id), key=lambda log: log.timestamp)
+        (reserved,) = [log for log in mine if log.message.startswith("Reserved GPUs ")]
+        (releasing,) = [log for log in mine if log.message.startswith("Releasing GPUs ")]
+        for node, indices in re.findall(r"([\w.-]+)\[([\d, ]+)\]", reserved.message):
+            for i in indices.split(", "):
+                spans.setdefault((node, int(i)), []).append((reserved.timestamp.timestamp(), releasing.timestamp.timestamp()))
+    assert sum(len(s) for s in spans.values()) == 2 * CROWD
+    for gpu, held in spans.items():
+        held.sort()
+        assert all(a_end <= b_start for (_, a_end), (b_start, _) in pairwise(held)), f"GPU {gpu} was held by two runs at once: {held}"
+    waited = [log.message for log in logs if log.message.startswith("waiting for ")]
+    assert waited, "five runs of two GPUs each on four GPUs: some run must have waited"
+
+    async def free_now() -> dict[str, list[int]]:
+        async with get_client() as client:
+            return (await GpuReservations(client, ClusterSpec.from_file(EXAMPLE_CLUSTER)).state()).free_gpus
+
+    with stack.client_settings():
+        assert asyncio.run(free_now()) == {"a10-node": [0, 1], "t4-node": [0, 1]}  # nothing leaked

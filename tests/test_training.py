@@ -15,6 +15,7 @@ from frenzy_prefect.memory import estimate
 from frenzy_prefect.profiling.dataset import profile_dataset
 from frenzy_prefect.profiling.model import PRESETS
 from frenzy_prefect.spec.dataset import DatasetInfo
+from frenzy_prefect.spec.cluster import ClusterSpec
 from frenzy_prefect.spec.plan import Allocation, ParallelPlan, Placement, TrainingJob
 from frenzy_prefect.spec.request import TrainingRequest
 from frenzy_prefect.storage import exists, filesystem, open_uri
@@ -37,7 +38,8 @@ def make_job(dataset: DatasetInfo, output: str, plan: ParallelPlan, placements: 
                               "precision": "fp32", "output": output, "log_every": 10} | request))  # fmt: skip
     memory = estimate(NANO, plan, global_batch=req.global_batch, seq_len=req.seq_len, precision=req.precision, optimizer_bytes_per_param=8)
     allocation = Allocation(gpu_type="A10", plan=plan, memory=memory, gpu_memory_bytes=24 * 2**30, step_time_s=1.0, placements=placements)
-    return TrainingJob(request=req, model=NANO, dataset=dataset, allocation=allocation, output=output)
+    nodes = [{"name": p.node, "host": p.host, "gpu_type": "A10", "gpu_count": max(p.gpus) + 1} for p in placements]
+    return TrainingJob(request=req, model=NANO, dataset=dataset, allocation=allocation, cluster=ClusterSpec(nodes=nodes), output=output)
 
 
 def launch(job: TrainingJob) -> tuple[int, list[int]]:

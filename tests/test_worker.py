@@ -13,7 +13,7 @@ from frenzy_prefect.launch.command import Launch
 from frenzy_prefect.launch.local import is_running, start_local
 from frenzy_prefect.spec.plan import ParallelPlan, Placement
 from frenzy_prefect.training.entry import JOB_ENV
-from frenzy_prefect.worker import FrenzyJobConfiguration, FrenzyWorker
+from frenzy_prefect.worker import FrenzyJobConfiguration, FrenzyWorker, training_job_of
 
 from .test_training import make_job, unchecked
 
@@ -38,7 +38,7 @@ def test_a_training_run_becomes_one_torchrun_agent_per_node():
     job = make_job(unchecked("s3://b/d.txt"), "s3://b/out", ParallelPlan(dp=3, micro_batch=1), global_batch=12, placements=[
         Placement(node="a", host="127.0.0.1", gpus=[0, 1]), Placement(node="b", host="127.0.0.1", gpus=[3])])  # fmt: skip
     config = FrenzyJobConfiguration(command="ignored for training runs", env={"EXTRA": "1"})
-    launches = FrenzyWorker(work_pool_name="p").launches_for(_run({"job": job.model_dump(mode="json")}), config)
+    launches = FrenzyWorker(work_pool_name="p").launches_for(config, training_job_of(_run({"job": job.model_dump(mode="json")})))
     assert [l.processes for l in launches] == [2, 1]
     assert [l.env["CUDA_VISIBLE_DEVICES"] for l in launches] == ["0,1", "3"]
     assert all(l.env["EXTRA"] == "1" and JOB_ENV in l.env for l in launches)
@@ -50,7 +50,7 @@ def test_a_training_run_becomes_one_torchrun_agent_per_node():
 
 def test_any_other_run_is_one_engine_process_here():
     config = FrenzyJobConfiguration(command=f"{sys.executable} -m prefect.engine")
-    (launch,) = FrenzyWorker(work_pool_name="p").launches_for(_run({"request": {}}), config)
+    (launch,) = FrenzyWorker(work_pool_name="p").launches_for(config, training_job_of(_run({"request": {}})))
     assert launch.argv == [sys.executable, "-m", "prefect.engine"] and launch.host == "127.0.0.1"
 
 

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
 from frenzy_prefect.errors import FrenzyError
+from frenzy_prefect.spec.cluster import ClusterSpec
 from frenzy_prefect.spec.dataset import DatasetInfo
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.request import TrainingRequest
@@ -134,6 +135,7 @@ class TrainingJob(BaseModel):
     model: ModelSpec
     dataset: DatasetInfo
     allocation: Allocation
+    cluster: ClusterSpec = Field(description="The inventory it was allocated on; its name scopes the GPU reservations.")
     output: str = Field(description="URI prefix that receives checkpoint.pt, metrics.json and report.json.")
 
     def _under_output(self, name: str) -> str:
