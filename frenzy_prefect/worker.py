@@ -23,7 +23,8 @@ from uuid import UUID
 import anyio
 import anyio.abc
 from prefect import get_client
-from prefect.client.schemas.objects import FlowRun
+from prefect.client.orchestration import PrefectClient
+from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.workers.base import BaseJobConfiguration, BaseVariables, BaseWorker, BaseWorkerResult
 from pydantic import Field
 
@@ -37,6 +38,8 @@ from frenzy_prefect.training.distributed import free_port
 
 JOB_PARAMETER = "job"
 RETRY_S = 2.0  # how often a waiting run looks at the reservations again
+CANCEL_POLL_S = 1.0  # how often a running run's state is checked for cancellation
+CANCEL_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this: every rank is gone within ~7 s
 
 
 class FrenzyJobConfiguration(BaseJobConfiguration):
@@ -88,31 +91,42 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, FrenzyVariables, FrenzyWor
     ) -> FrenzyWorkerResult:
         job = training_job_of(flow_run)
         if job is None:
-            return await self._launch(flow_run, configuration, None, task_status)
-        async with get_client() as client:
-            reservations = GpuReservations(client, job.cluster)
-            await reservations.ensure()
-            job, lease = await self._reserve(flow_run, job, reservations)
-            try:
-                async with anyio.create_task_group() as renewals:
-                    renewals.start_soon(self._keep, reservations, lease)
-                    result = await self._launch(flow_run, configuration, job, task_status)
-                    renewals.cancel_scope.cancel()
-                return result
-            finally:
-                with anyio.CancelScope(shield=True):
-                    self.get_flow_run_logger(flow_run).info(f"Releasing GPUs {_gpus(job)}")
-                    await reservations.release(lease)
+            result, cancelled = await self._launch(flow_run, configuration, None, task_status)
+        else:
+            async with get_client() as client:
+                reservations = GpuReservations(client, job.cluster)
+                await reservations.ensure()
+                reserved = await self._reserve(flow_run, job, reservations, client)
+                if reserved is None:  # cancelled while it waited: nothing was taken or started
+                    await self._mark_flow_run_as_cancelled(flow_run, {"message": "Cancelled while waiting for GPUs"})
+                    return FrenzyWorkerResult(status_code=0, identifier="")
+                job, lease = reserved
+                try:
+                    async with anyio.create_task_group() as renewals:
+                        renewals.start_soon(self._keep, reservations, lease)
+                        result, cancelled = await self._launch(flow_run, configuration, job, task_status)
+                        renewals.cancel_scope.cancel()
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        self.get_flow_run_logger(flow_run).info(f"Releasing GPUs {_gpus(job)}")
+                        await reservations.release(lease)
+        if cancelled:
+            await self._mark_flow_run_as_cancelled(await self.client.read_flow_run(flow_run.id), {"message": "Cancelled: every rank stopped"})
+            return FrenzyWorkerResult(status_code=0, identifier=result.identifier)  # not a crash
+        return result
 
-    async def _reserve(self, flow_run: FlowRun, job: TrainingJob, reservations: GpuReservations) -> tuple[TrainingJob, UUID]:
-        """The job's plan placed on GPUs free now, and the lease that holds them; waits its turn."""
+    async def _reserve(
+        self, flow_run: FlowRun, job: TrainingJob, reservations: GpuReservations, client: PrefectClient
+    ) -> tuple[TrainingJob, UUID] | None:
+        """The job's plan placed on GPUs free now, and the lease that holds them; waits its
+        turn. None if the run is cancelled while it waits."""
         logger = self.get_flow_run_logger(flow_run)
         waiting = self.__dict__.setdefault("_waiting", [])  # flow runs of this worker waiting for GPUs, in arrival order
         waiting.append(flow_run.id)
         plan, gpu_type = job.allocation.plan, job.allocation.gpu_type
         said = ""
         try:
-            while True:
+            while not await _cancelling(client, flow_run.id):
                 position = waiting.index(flow_run.id)
                 if position == 0:
                     state = await reservations.state()
@@ -130,6 +144,7 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, FrenzyVariables, FrenzyWor
                     logger.info(reason)
                     said = reason
                 await anyio.sleep(RETRY_S)
+            return None
         finally:
             waiting.remove(flow_run.id)
 
@@ -140,7 +155,10 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, FrenzyVariables, FrenzyWor
 
     async def _launch(
         self, flow_run: FlowRun, configuration: FrenzyJobConfiguration, job: TrainingJob | None, task_status: Optional[anyio.abc.TaskStatus[Any]]
-    ) -> FrenzyWorkerResult:
+    ) -> tuple[FrenzyWorkerResult, bool]:
+        """Start the run's processes and wait for them; (result, whether it was cancelled).
+        Prefect's own cancellation only reaches runs that have not started, so the worker
+        watches its running runs and stops every rank of one that is being cancelled."""
         logger = self.get_flow_run_logger(flow_run)
         launches = self.launches_for(configuration, job)
         nodes = ", ".join(f"{l.node or l.host} x{l.processes}" for l in launches)
@@ -148,13 +166,31 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, FrenzyVariables, FrenzyWor
         logger.info(f"Started {sum(l.processes for l in launches)} process(es) on {nodes}; PIDs {group.identifier}")
         if task_status is not None:
             task_status.started(group.identifier)
-        code = await group.wait()
-        return FrenzyWorkerResult(status_code=code, identifier=group.identifier)
+        cancelled = anyio.Event()
+
+        async def stop_when_cancelling() -> None:
+            async with get_client() as client:
+                while not await _cancelling(client, flow_run.id):
+                    await anyio.sleep(CANCEL_POLL_S)
+            cancelled.set()
+            logger.info("Cancelling: stopping every rank")
+            await stop_process_groups(group.pids, CANCEL_GRACE_S)
+
+        async with anyio.create_task_group() as watch:
+            watch.start_soon(stop_when_cancelling)
+            code = await group.wait()
+            watch.cancel_scope.cancel()
+        return FrenzyWorkerResult(status_code=code, identifier=group.identifier), cancelled.is_set()
 
     async def kill_infrastructure(
         self, infrastructure_pid: str, configuration: FrenzyJobConfiguration, grace_seconds: int = 30
     ) -> None:
         await stop_process_groups([int(p) for p in infrastructure_pid.split(",") if p], grace_seconds)
+
+
+async def _cancelling(client: PrefectClient, flow_run_id: UUID) -> bool:
+    state = (await client.read_flow_run(flow_run_id)).state
+    return state is not None and state.type in (StateType.CANCELLING, StateType.CANCELLED)
 
 
 def _gpus(job: TrainingJob) -> str:

@@ -25,6 +25,7 @@ from prefect.client.schemas.filters import (
 from prefect.client.schemas.objects import FlowRun
 
 from frenzy_prefect.flows import default_output
+from frenzy_prefect.launch.local import is_running
 from frenzy_prefect.reservations import GpuReservations
 from frenzy_prefect.spec.cluster import ClusterSpec
 from frenzy_prefect.spec.result import TrainingReport
@@ -195,3 +196,40 @@ def test_runs_that_oversubscribe_the_gpus_all_complete_and_never_share_one(stack
 
     with stack.client_settings():
         assert asyncio.run(free_now()) == {"a10-node": [0, 1], "t4-node": [0, 1]}  # nothing leaked
+
+
+def test_cancelling_a_running_training_run_stops_its_ranks_and_frees_its_gpus(stack, worker_pool, dataset, crowd):
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Cancelling
+
+    with stack.client_settings():
+        from prefect.deployments import run_deployment
+
+        parent = run_deployment("train-llm/frenzy", parameters={"request": GOOD | {"dataset": dataset, "steps": 100_000}, "cluster": "local-hetero"}, timeout=0)
+        deadline = time.monotonic() + 180
+        with get_client(sync_client=True) as client:
+            while True:  # until the ranks are training
+                kids = children(stack, client.read_flow_run(parent.id))
+                logs = kids and client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[kids[0].id])))
+                if logs and any(log.message.startswith("step ") for log in logs):
+                    break
+                assert time.monotonic() < deadline, "the training run never started stepping"
+                time.sleep(1)
+            (training,) = kids
+            pids = [int(p) for p in client.read_flow_run(training.id).infrastructure_pid.split(",")]
+            asked = time.monotonic()
+            client.set_flow_run_state(training.id, Cancelling(message="cancelled by the test"), force=True)
+            while any(is_running(p) for p in pids):
+                assert time.monotonic() - asked < 10, "ranks still running 10 s after the cancellation"
+                time.sleep(0.2)
+            while client.read_flow_run(training.id).state.type != StateType.CANCELLED:
+                assert time.monotonic() - asked < 20, client.read_flow_run(training.id).state
+                time.sleep(0.5)
+        assert wait_final(parent.id).state.is_failed()  # its train task saw the training run cancelled
+
+    async def free_now() -> dict[str, list[int]]:
+        async with get_client() as client:
+            return (await GpuReservations(client, ClusterSpec.from_file(EXAMPLE_CLUSTER)).state()).free_gpus
+
+    with stack.client_settings():
+        assert asyncio.run(free_now()) == {"a10-node": [0, 1], "t4-node": [0, 1]}
