@@ -8,7 +8,7 @@ from typing import ClassVar
 from prefect.blocks.core import Block
 from pydantic import Field
 
-from frenzy_prefect.spec.cluster import ClusterSpec
+from frenzy_prefect.spec.cluster import ClusterSpec, Node
 
 
 class FrenzyCluster(Block):
@@ -25,3 +25,16 @@ class FrenzyCluster(Block):
     @classmethod
     def from_file(cls, path: str | Path) -> "FrenzyCluster":
         return cls(cluster=ClusterSpec.from_file(path))
+
+
+def save_node(block_name: str, node: Node) -> ClusterSpec:
+    """Add ``node`` to the FrenzyCluster block ``block_name``, or replace the node of that name
+    (creating the block if there is none); the cluster as saved."""
+    try:
+        spec = FrenzyCluster.load(block_name).cluster
+        nodes = [n for n in spec.nodes if n.name != node.name] + [node]
+        spec = ClusterSpec.model_validate({**spec.model_dump(), "nodes": [n.model_dump() for n in nodes]})
+    except ValueError:  # no such block yet
+        spec = ClusterSpec(name=block_name, nodes=[node])
+    FrenzyCluster(cluster=spec).save(block_name, overwrite=True)
+    return spec

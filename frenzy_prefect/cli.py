@@ -303,6 +303,37 @@ def simulate(
 
 
 @app.command()
+def discover(
+    node: Optional[str] = typer.Option(None, "--node", help="Node name; default: this machine's hostname."),
+    host: Optional[str] = typer.Option(None, "--host", help="Where its ranks run; default: this machine's hostname."),
+    save: Optional[str] = typer.Option(None, "--save", help="Add or update the node in this FrenzyCluster block (created if missing)."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """This machine's GPUs through NVML, as a cluster node (optionally saved into a cluster block)."""
+    import socket
+
+    from frenzy_prefect.profiling.nodes import node_of, read_gpus
+
+    def body() -> None:
+        name = node or socket.gethostname()
+        gpus = read_gpus()
+        found = node_of(name, host or socket.gethostname(), gpus)
+        if save:
+            from frenzy_prefect.blocks import save_node
+
+            save_node(save, found)
+        if as_json:
+            typer.echo(json.dumps({"node": found.model_dump(), "gpus": [g.model_dump() for g in gpus], "saved_to": save}))
+            return
+        for g in gpus:
+            link = f"{g.nvlinks} NVLink links" if g.nvlinks else f"PCIe gen {g.pcie_generation} x{g.pcie_width}"
+            typer.echo(f"GPU {g.index}: {g.name}, {gib(g.memory_bytes)} GiB, {link}")
+        typer.echo(f"node {found.name} (host {found.host}): {found.gpu_count} x {found.gpu_type}" + (f"; saved to block {save!r}" if save else ""))
+
+    _guarded(body)
+
+
+@app.command()
 def presets() -> None:
     """The model presets and their sizes."""
     from frenzy_prefect.profiling.model import PRESETS

@@ -11,10 +11,11 @@ from prefect.logging import get_run_logger
 from prefect.utilities.asyncutils import run_coro_as_sync
 
 from frenzy_prefect import allocator
-from frenzy_prefect.blocks import FrenzyCluster
+from frenzy_prefect.blocks import FrenzyCluster, save_node
 from frenzy_prefect.errors import ClusterBusy, FrenzyError
 from frenzy_prefect.profiling.dataset import profile_dataset as _profile_dataset
 from frenzy_prefect.profiling.model import resolve_model
+from frenzy_prefect.profiling.nodes import node_of, read_gpus
 from frenzy_prefect.reservations import GpuReservations
 from frenzy_prefect.spec.cluster import ClusterSpec, ClusterState
 from frenzy_prefect.spec.dataset import DatasetInfo
@@ -76,6 +77,16 @@ async def _live_state(spec: ClusterSpec) -> ClusterState:
         reservations = GpuReservations(client, spec)
         await reservations.ensure()
         return await reservations.state()
+
+
+@task
+def discover_node(node: str, host: str, cluster: str) -> ClusterSpec:
+    """Run on a GPU node (through a worker there): its GPUs through NVML, added to or updated in
+    the FrenzyCluster block ``cluster``."""
+    found = node_of(node, host, read_gpus())
+    spec = save_node(cluster, found)
+    get_run_logger().info(f"Node {found.name}: {found.gpu_count} x {found.gpu_type}, saved to cluster block {cluster!r}")
+    return spec
 
 
 @task
