@@ -16,13 +16,15 @@ import os
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, Optional
+import tempfile
+from typing import Any, Literal, Optional
 
 from uuid import UUID
 
 import anyio
 import anyio.abc
 from prefect import get_client
+from prefect.blocks.system import Secret
 from prefect.client.orchestration import PrefectClient
 from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.workers.base import BaseJobConfiguration, BaseVariables, BaseWorker, BaseWorkerResult
@@ -30,7 +32,9 @@ from pydantic import Field
 
 from frenzy_prefect.allocator.placement import place
 from frenzy_prefect.launch.command import Launch
-from frenzy_prefect.launch.local import start_local, stop_process_groups
+from frenzy_prefect.errors import FrenzyError
+from frenzy_prefect.launch.local import ProcessGroup, start_local, stop_process_groups
+from frenzy_prefect.launch.ssh import SSH_UNREACHABLE, SshSettings, start_ssh
 from frenzy_prefect.launch.torchrun import rank_launches
 from frenzy_prefect.reservations import LEASE_S, GpuReservations
 from frenzy_prefect.spec.plan import TrainingJob
@@ -44,6 +48,14 @@ CANCEL_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this: every rank is gone wit
 
 class FrenzyJobConfiguration(BaseJobConfiguration):
     working_dir: Optional[Path] = Field(default=None)
+    launcher: Literal["local", "ssh"] = Field(default="local")
+    ssh_user: Optional[str] = Field(default=None)
+    ssh_port: int = Field(default=22)
+    ssh_key_secret: Optional[str] = Field(default=None)
+    ssh_known_hosts: Optional[Path] = Field(default=None)
+    node_python: Optional[str] = Field(default=None)
+    allowed_gpu_types: Optional[list[str]] = Field(default=None)
+    max_gpus_per_run: Optional[int] = Field(default=None)
 
     @staticmethod
     def _base_flow_run_command() -> str:
@@ -55,6 +67,30 @@ class FrenzyVariables(BaseVariables):
         default=None,
         title="Working Directory",
         description="Directory the run's processes start in; default: the worker's.",
+    )
+    launcher: Literal["local", "ssh"] = Field(
+        default="local",
+        title="Launcher",
+        description="local: ranks on the worker's machine; ssh: ranks on each allocated node's host, over SSH.",
+    )
+    ssh_user: Optional[str] = Field(default=None, title="SSH User", description="Login on the nodes (ssh launcher).")
+    ssh_port: int = Field(default=22, ge=1, le=65535, title="SSH Port", description="sshd's port on the nodes.")
+    ssh_key_secret: Optional[str] = Field(
+        default=None,
+        title="SSH Key Secret Block",
+        description="Name of a Prefect Secret block holding the private key (never logged; written to a 0600 file for the run).",
+    )
+    ssh_known_hosts: Optional[Path] = Field(
+        default=None, title="SSH known_hosts", description="known_hosts file the nodes' host keys are checked against (required for ssh)."
+    )
+    node_python: Optional[str] = Field(
+        default=None, title="Node Python", description="Python with frenzy-prefect installed on the nodes; default: the worker's."
+    )
+    allowed_gpu_types: Optional[list[str]] = Field(
+        default=None, title="Allowed GPU Types", description="Training runs on other GPU types fail at once; default: any."
+    )
+    max_gpus_per_run: Optional[int] = Field(
+        default=None, ge=1, title="Max GPUs per Run", description="Training runs needing more GPUs fail at once; default: no cap."
     )
 
 
@@ -93,6 +129,7 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, FrenzyVariables, FrenzyWor
         if job is None:
             result, cancelled = await self._launch(flow_run, configuration, None, task_status)
         else:
+            _check_pool_policy(job, configuration)
             async with get_client() as client:
                 reservations = GpuReservations(client, job.cluster)
                 await reservations.ensure()
@@ -159,10 +196,19 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, FrenzyVariables, FrenzyWor
         """Start the run's processes and wait for them; (result, whether it was cancelled).
         Prefect's own cancellation only reaches runs that have not started, so the worker
         watches its running runs and stops every rank of one that is being cancelled."""
-        logger = self.get_flow_run_logger(flow_run)
         launches = self.launches_for(configuration, job)
+        with tempfile.TemporaryDirectory(prefix="frenzy-ssh-") as keys:
+            if job is not None and configuration.launcher == "ssh":
+                group = await start_ssh(launches, await _ssh_settings(configuration, Path(keys)), cwd=configuration.working_dir)
+            else:
+                group = await start_local(launches, cwd=configuration.working_dir)
+            return await self._supervise(flow_run, configuration, group, launches, task_status)
+
+    async def _supervise(
+        self, flow_run: FlowRun, configuration: FrenzyJobConfiguration, group: ProcessGroup, launches: list[Launch], task_status: Optional[anyio.abc.TaskStatus[Any]]
+    ) -> tuple[FrenzyWorkerResult, bool]:
+        logger = self.get_flow_run_logger(flow_run)
         nodes = ", ".join(f"{l.node or l.host} x{l.processes}" for l in launches)
-        group = await start_local(launches, cwd=configuration.working_dir)
         logger.info(f"Started {sum(l.processes for l in launches)} process(es) on {nodes}; PIDs {group.identifier}")
         if task_status is not None:
             task_status.started(group.identifier)
@@ -180,6 +226,11 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, FrenzyVariables, FrenzyWor
             watch.start_soon(stop_when_cancelling)
             code = await group.wait()
             watch.cancel_scope.cancel()
+        if code == SSH_UNREACHABLE and configuration.launcher == "ssh":
+            logger.error(
+                f"ssh to {group.failed_host} failed (exit {code}): the host is unreachable, refused the key, or its host key "
+                f"is not in {configuration.ssh_known_hosts}; every rank was stopped"
+            )
         return FrenzyWorkerResult(status_code=code, identifier=group.identifier), cancelled.is_set()
 
     async def kill_infrastructure(
@@ -191,6 +242,36 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, FrenzyVariables, FrenzyWor
 async def _cancelling(client: PrefectClient, flow_run_id: UUID) -> bool:
     state = (await client.read_flow_run(flow_run_id)).state
     return state is not None and state.type in (StateType.CANCELLING, StateType.CANCELLED)
+
+
+def _check_pool_policy(job: TrainingJob, configuration: FrenzyJobConfiguration) -> None:
+    """The pool's limits on what a training run may use; breaking one fails the run at once."""
+    a = job.allocation
+    if configuration.allowed_gpu_types is not None and a.gpu_type not in configuration.allowed_gpu_types:
+        raise FrenzyError(f"this pool allows GPU types {', '.join(configuration.allowed_gpu_types)}; the run was allocated {a.gpu_type}")
+    if configuration.max_gpus_per_run is not None and a.plan.gpus > configuration.max_gpus_per_run:
+        raise FrenzyError(f"this pool allows at most {configuration.max_gpus_per_run} GPUs per run; the run needs {a.plan.gpus}")
+
+
+async def _ssh_settings(configuration: FrenzyJobConfiguration, keys: Path) -> SshSettings:
+    """The ssh launcher's settings; the key from its Secret block into a 0600 file under ``keys``."""
+    missing = [n for n in ("ssh_user", "ssh_key_secret", "ssh_known_hosts") if getattr(configuration, n) is None]
+    if missing:
+        raise FrenzyError(f"the ssh launcher needs the pool's {', '.join(missing)} set (work pool job template variables)")
+    try:
+        secret = await Secret.aload(configuration.ssh_key_secret)
+    except ValueError:
+        raise FrenzyError(f"no Secret block named {configuration.ssh_key_secret!r} (ssh_key_secret) holds the SSH key") from None
+    key = keys / "id"
+    key.touch(mode=0o600)
+    key.write_text(secret.get().rstrip("\n") + "\n")
+    return SshSettings(
+        user=configuration.ssh_user,
+        port=configuration.ssh_port,
+        identity_file=key,
+        known_hosts=configuration.ssh_known_hosts,
+        python=configuration.node_python or sys.executable,
+    )
 
 
 def _gpus(job: TrainingJob) -> str:

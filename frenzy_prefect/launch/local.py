@@ -52,8 +52,10 @@ async def stop_process_groups(pids: list[int], grace_s: float) -> None:
 class ProcessGroup:
     """The running commands of one job."""
 
-    def __init__(self, processes: list[asyncio.subprocess.Process]):
+    def __init__(self, processes: list[asyncio.subprocess.Process], hosts: list[str] | None = None):
         self.processes = processes
+        self.hosts = hosts or ["127.0.0.1"] * len(processes)
+        self.failed_host: str | None = None  # where the first failure happened
 
     @property
     def pids(self) -> list[int]:
@@ -65,16 +67,16 @@ class ProcessGroup:
 
     async def wait(self, grace_s: float = 10.0) -> int:
         """Wait for every command; on the first failure stop the rest. The first non-zero exit code, or 0."""
-        pending = {asyncio.ensure_future(p.wait()): p for p in self.processes}
+        pending = {asyncio.ensure_future(p.wait()): (p, host) for p, host in zip(self.processes, self.hosts, strict=True)}
         first_failure = 0
         while pending:
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for fut in done:
-                pending.pop(fut)
+                _, host = pending.pop(fut)
                 code = fut.result()
                 if code != 0 and first_failure == 0:
-                    first_failure = code
-                    await stop_process_groups([p.pid for p in pending.values()], grace_s)
+                    first_failure, self.failed_host = code, host
+                    await stop_process_groups([p.pid for p, _ in pending.values()], grace_s)
         return first_failure
 
 

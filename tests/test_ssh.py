@@ -1,0 +1,150 @@
+"""The SSH launcher against a real sshd on 127.0.0.1 (Debian's openssh-server, started here
+with its own host key and an authorized key, stopped by PID): a two-node job trains through
+it, stopping the ssh client stops the remote command, and a host that cannot be reached or
+whose key is not trusted fails with ssh's code and the host named."""
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from frenzy_prefect.errors import FrenzyError
+from frenzy_prefect.launch.command import Launch
+from frenzy_prefect.launch.local import is_running, stop_process_groups
+from frenzy_prefect.launch.ssh import SSH_UNREACHABLE, SshSettings, start_ssh
+from frenzy_prefect.launch.torchrun import rank_launches
+from frenzy_prefect.profiling.dataset import profile_dataset
+from frenzy_prefect.spec.plan import ParallelPlan, Placement
+from frenzy_prefect.storage import open_uri
+from frenzy_prefect.training.distributed import free_port
+from frenzy_prefect.worker import FrenzyJobConfiguration, _check_pool_policy, _ssh_settings
+
+from .conftest import BUCKET
+from .test_training import NANO, make_job, unchecked
+
+SSHD = "/usr/sbin/sshd"
+
+
+def _install_sshd() -> None:
+    """Debian's openssh-server, if this machine lacks it and the tests may install packages."""
+    if os.path.exists(SSHD) or os.geteuid() != 0 or not shutil.which("apt-get"):
+        return
+    subprocess.run(["apt-get", "install", "-y", "-q", "openssh-server"], capture_output=True, timeout=600, check=False)
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory) -> SshSettings:
+    _install_sshd()
+    if not os.path.exists(SSHD):
+        pytest.skip("no sshd here and it cannot be installed (apt-get as root)")
+    d = tmp_path_factory.mktemp("sshd")
+    for key in ("host_key", "user_key"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / key)], check=True)
+    (d / "authorized_keys").write_text((d / "user_key.pub").read_text())
+    port = free_port()
+    (d / "sshd_config").write_text(
+        f"Port {port}\nListenAddress 127.0.0.1\nHostKey {d / 'host_key'}\nAuthorizedKeysFile {d / 'authorized_keys'}\n"
+        f"PidFile {d / 'sshd.pid'}\nPasswordAuthentication no\nKbdInteractiveAuthentication no\nPubkeyAuthentication yes\n"
+        "PermitRootLogin prohibit-password\nStrictModes no\nUsePAM no\n"
+    )
+    (d / "known_hosts").write_text(f"[127.0.0.1]:{port} {(d / 'host_key.pub').read_text()}")
+    Path("/run/sshd").mkdir(exist_ok=True)  # its privilege-separation directory
+    server = subprocess.Popen([SSHD, "-D", "-e", "-f", str(d / "sshd_config")], stderr=open(d / "sshd.log", "wb"))
+    deadline = time.monotonic() + 20
+    while not (d / "sshd.pid").exists():
+        assert server.poll() is None and time.monotonic() < deadline, (d / "sshd.log").read_text()
+        time.sleep(0.1)
+    yield SshSettings(user=os.environ.get("USER") or "root", port=port, identity_file=d / "user_key", known_hosts=d / "known_hosts", python=sys.executable)
+    os.kill(int((d / "sshd.pid").read_text()), signal.SIGTERM)
+    server.wait(timeout=10)
+
+
+def test_a_two_node_job_trains_through_sshd(sshd, dataset):
+    placements = [Placement(node="n0", host="127.0.0.1", gpus=[0]), Placement(node="n1", host="127.0.0.1", gpus=[1])]
+    job = make_job(profile_dataset(dataset, 64, NANO.vocab_size), f"s3://{BUCKET}/runs/over-ssh", ParallelPlan(dp=2, micro_batch=4), placements, steps=10)
+
+    async def run() -> int:
+        launches = rank_launches(job, python=sys.executable, master_port=free_port(), env=dict(os.environ))
+        group = await start_ssh(launches, sshd)
+        return await group.wait()
+
+    assert asyncio.run(run()) == 0
+    with open_uri(job.metrics_uri, "r") as f:
+        metrics = json.load(f)
+    assert metrics["world_size"] == 2 and len(metrics["losses"]) == 10
+
+
+def test_stopping_the_ssh_client_stops_the_remote_command(sshd, tmp_path):
+    marker = tmp_path / "alive"
+    script = f"import pathlib, time\nwhile True:\n    pathlib.Path({str(marker)!r}).touch()\n    time.sleep(0.1)\n"
+
+    async def run() -> list[int]:
+        group = await start_ssh([Launch(host="127.0.0.1", argv=[sys.executable, "-c", script])], sshd)
+        deadline = time.monotonic() + 20
+        while not marker.exists():
+            assert time.monotonic() < deadline, "the remote command never ran"
+            await asyncio.sleep(0.1)
+        await stop_process_groups(group.pids, grace_s=5)
+        return group.pids
+
+    pids = asyncio.run(run())
+    assert not any(is_running(p) for p in pids)
+    time.sleep(1.0)
+    marker.unlink()
+    time.sleep(1.0)
+    assert not marker.exists(), "the remote command outlived its ssh client"
+
+
+@pytest.mark.parametrize("case", ["nothing listens", "unknown host key"])
+def test_an_unreachable_or_untrusted_host_fails_with_the_host_named(sshd, tmp_path, case):
+    if case == "nothing listens":
+        settings = sshd.model_copy(update={"port": free_port()})
+    else:
+        (tmp_path / "known_hosts").write_text("")
+        settings = sshd.model_copy(update={"known_hosts": tmp_path / "known_hosts"})
+
+    async def run() -> tuple[int, str | None]:
+        group = await start_ssh([Launch(host="127.0.0.1", argv=["true"])], settings)
+        return await group.wait(), group.failed_host
+
+    assert asyncio.run(run()) == (SSH_UNREACHABLE, "127.0.0.1")
+
+
+def test_the_worker_takes_the_ssh_key_from_a_secret_block_and_never_shows_it(stack, prefect_api, tmp_path):
+    from prefect.blocks.system import Secret
+
+    material = "-----BEGIN OPENSSH PRIVATE KEY-----\nc2VjcmV0LW1hdGVyaWFs\n-----END OPENSSH PRIVATE KEY-----"
+    config = FrenzyJobConfiguration(launcher="ssh", ssh_user="trainer", ssh_key_secret="frenzy-test-key", ssh_known_hosts=tmp_path / "known_hosts")
+    with stack.client_settings():
+        Secret(value=material).save("frenzy-test-key", overwrite=True)
+        settings = asyncio.run(_ssh_settings(config, tmp_path))
+        with pytest.raises(FrenzyError, match="no Secret block named 'absent' \\(ssh_key_secret\\)"):
+            asyncio.run(_ssh_settings(config.model_copy(update={"ssh_key_secret": "absent"}), tmp_path))
+    assert settings.identity_file.read_text() == material + "\n"
+    assert settings.identity_file.stat().st_mode & 0o777 == 0o600
+    assert "c2VjcmV0" not in repr(settings) + repr(config) + " ".join(ssh_argv_for(settings))
+    with pytest.raises(FrenzyError, match="needs the pool's ssh_user, ssh_known_hosts set"):
+        asyncio.run(_ssh_settings(FrenzyJobConfiguration(launcher="ssh", ssh_key_secret="k"), tmp_path))
+
+
+def ssh_argv_for(settings: SshSettings) -> list[str]:
+    from frenzy_prefect.launch.ssh import ssh_argv
+
+    return ssh_argv("node-7", settings)
+
+
+def test_the_pool_limits_gpu_types_and_gpus_per_run():
+    placements = [Placement(node="n0", host="127.0.0.1", gpus=[0, 1])]
+    job = make_job(unchecked("s3://b/d.txt"), "s3://b/out", ParallelPlan(dp=2, micro_batch=4), placements)
+    _check_pool_policy(job, FrenzyJobConfiguration(allowed_gpu_types=["A10", "T4"], max_gpus_per_run=2))
+    with pytest.raises(FrenzyError, match="this pool allows GPU types H100; the run was allocated A10"):
+        _check_pool_policy(job, FrenzyJobConfiguration(allowed_gpu_types=["H100"]))
+    with pytest.raises(FrenzyError, match="at most 1 GPUs per run; the run needs 2"):
+        _check_pool_policy(job, FrenzyJobConfiguration(max_gpus_per_run=1))
