@@ -24,6 +24,7 @@ class Option:
     step_s: float  # all GPUs in one node
     spread_step_s: float  # the placement spans nodes
     gpus: int  # plan.gpus, read in every decision
+
     def step_time(self, nodes: int) -> float:
         return self.step_s if nodes == 1 else self.spread_step_s
 
