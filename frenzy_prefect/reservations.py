@@ -56,7 +56,8 @@ class GpuReservations:
             offset += _PAGE
 
     async def state(self) -> ClusterState:
-        """Which GPUs nobody holds now."""
+        """Which GPUs nobody holds now (read only: a GPU whose limit no worker has created yet
+        cannot be held)."""
         busy = {limit.name for limit in await self._limits() if limit.active_slots >= limit.limit}
         return ClusterState(
             cluster=self.cluster,

@@ -74,9 +74,7 @@ def profile_cluster(cluster: str) -> ClusterState:
 
 async def _live_state(spec: ClusterSpec) -> ClusterState:
     async with get_client() as client:
-        reservations = GpuReservations(client, spec)
-        await reservations.ensure()
-        return await reservations.state()
+        return await GpuReservations(client, spec).state()
 
 
 @task

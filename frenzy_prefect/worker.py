@@ -113,6 +113,10 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, FrenzyVariables, FrenzyWor
         "one process per allocated GPU, ranks wired up by torch.distributed."
     )
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._waiting: list[UUID] = []  # flow runs of this worker waiting for GPUs, in arrival order
+
     def launches_for(self, configuration: FrenzyJobConfiguration, job: TrainingJob | None) -> list[Launch]:
         env = {k: v for k, v in {**os.environ, **configuration.env}.items() if v is not None}
         if job is None:
@@ -158,7 +162,7 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, FrenzyVariables, FrenzyWor
         """The job's plan placed on GPUs free now, and the lease that holds them; waits its
         turn. None if the run is cancelled while it waits."""
         logger = self.get_flow_run_logger(flow_run)
-        waiting = self.__dict__.setdefault("_waiting", [])  # flow runs of this worker waiting for GPUs, in arrival order
+        waiting = self._waiting
         waiting.append(flow_run.id)
         plan, gpu_type = job.allocation.plan, job.allocation.gpu_type
         said = ""

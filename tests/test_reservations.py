@@ -68,6 +68,7 @@ def test_a_held_gpu_cannot_be_taken_and_is_free_once_released(stack, prefect_api
     async def scenario() -> None:
         async with get_client() as client:
             reservations = GpuReservations(client, cluster)
+            assert (await reservations.state()).free_gpus == {"a": [0, 1, 2], "b": [0, 1]}  # no limits yet: all free
             with pytest.raises(RuntimeError, match="lacks reservation limits"):
                 await reservations.acquire([Placement(node="a", host="127.0.0.1", gpus=[0])], uuid4())
             await reservations.ensure()

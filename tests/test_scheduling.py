@@ -155,7 +155,7 @@ def test_frenzy_uses_the_free_slow_type_rather_than_queueing_for_the_fast_one():
     assert result.p50_jct_s < long_alone
 
 
-def test_the_work_is_the_same_whatever_the_policy():
+def test_trace_jobs_become_llm_jobs_by_one_deterministic_rule():
     trace = [
         TraceJob(job_id="a", submission_time=100, num_iteration=5, model_name="bert", deadline=0, batch_size=64, num_gpu=2, duration=3600),
         TraceJob(job_id="b", submission_time=160, num_iteration=9, model_name="gpt2", deadline=0, batch_size=32, num_gpu=1, duration=600),

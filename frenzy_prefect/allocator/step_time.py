@@ -5,7 +5,7 @@ Assumptions (each a knob; ``fit_achievable_fraction`` calibrates the first from 
   peak for mixed precision, fp32 peak otherwise), scaled by t / (t + SATURATION_TOKENS) for a
   micro-batch of t tokens per tensor-parallel rank: small GEMMs leave the GPU under-fed;
 - FLOPs per token are 6N + 12*l*h*s (Kaplan et al.; attention scores), plus one more forward
-  (2N) under full recomputation and the attention core (4*l*h*s) under selective;
+  (2N + 4*l*h*s) under full recomputation and the attention core (4*l*h*s) under selective;
 - 1F1B adds the bubble fraction (pp - 1) / accumulation;
 - data parallelism ring-all-reduces fp32 gradients once per step (ZeRO-3 moves 1.5x that:
   weights gathered for forward and backward, gradients reduce-scattered); tensor parallelism

@@ -18,7 +18,6 @@ class Run:
     gpu_type: str
     plan: ParallelPlan
     placements: list[Placement]
-    start_s: float
     end_s: float
     out_of_memory: bool
 

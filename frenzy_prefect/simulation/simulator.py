@@ -163,4 +163,4 @@ def start_run(start: Start, cluster: SimCluster, now: float) -> Run:
     predicted = option(job.model, job.global_batch, gpu, start.plan, cluster.spec.network_gbps)
     out_of_memory = predicted.peak_bytes > gpu.memory_bytes
     runtime = OOM_DETECTION_S if out_of_memory else job.steps * predicted.step_time(len(start.placements))
-    return Run(start.waiting, start.gpu_type, start.plan, start.placements, now, now + runtime, out_of_memory)
+    return Run(start.waiting, start.gpu_type, start.plan, start.placements, now + runtime, out_of_memory)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 from frenzy_prefect.simulation.cluster import SimCluster
 from frenzy_prefect.simulation.jobs import SimJob
@@ -31,6 +31,12 @@ from frenzy_prefect.simulation.policies.base import Reject, Start, Waiting
 MIN_EFFICIENCY = 0.5
 IDLE_SHARE = 0.5
 BACKFILL_DEPTH = 100
+
+
+class Ranked(NamedTuple):
+    option: Option
+    step_s: float  # as HAS would place it (SimCluster.predicted_step_s)
+    efficient: bool  # GPU-seconds per step within 1 / MIN_EFFICIENCY of the type's cheapest plan
 
 
 @dataclass(slots=True)
@@ -58,22 +64,22 @@ class Frenzy:
         self.min_efficiency = min_efficiency
         self.idle_share = idle_share
         self.backfill_depth = backfill_depth
-        self._ranked: dict[tuple[str, int], list[tuple[Option, bool]]] = {}
+        self._ranked: dict[tuple[str, int], list[Ranked]] = {}
 
     def prepare(self, job: SimJob, cluster: SimCluster) -> None:
         self.ranked(job, cluster)
 
-    def ranked(self, job: SimJob, cluster: SimCluster) -> list[tuple[Option, bool]]:
-        """The job's plans, best predicted completion first, each with whether it is efficient (cached per job shape)."""
+    def ranked(self, job: SimJob, cluster: SimCluster) -> list[Ranked]:
+        """The job's plans, best predicted completion first (cached per job shape)."""
         key = (job.model, job.global_batch)
         if key not in self._ranked:
-            plans: list[tuple[Option, bool]] = []
+            plans: list[Ranked] = []
             for gpu_type in cluster.types:
-                options = cluster.options(job, gpu_type)
-                if options:
-                    cheapest = min(o.gpus * cluster.predicted_step_s(o) for o in options)
-                    plans += [(o, cheapest >= self.min_efficiency * o.gpus * cluster.predicted_step_s(o)) for o in options]
-            plans.sort(key=lambda p: (cluster.predicted_step_s(p[0]), p[0].gpus * cluster.predicted_step_s(p[0])))
+                steps = [(o, cluster.predicted_step_s(o)) for o in cluster.options(job, gpu_type)]
+                if steps:
+                    cheapest = min(o.gpus * s for o, s in steps)
+                    plans += [Ranked(o, s, cheapest >= self.min_efficiency * o.gpus * s) for o, s in steps]
+            plans.sort(key=lambda r: (r.step_s, r.option.gpus * r.step_s))
             self._ranked[key] = plans
         return self._ranked[key]
 
@@ -82,7 +88,7 @@ class Frenzy:
         plans = self.ranked(waiting.job, cluster)
         if not plans:
             return -math.inf
-        run = waiting.job.steps * cluster.predicted_step_s(plans[0][0])
+        run = waiting.job.steps * plans[0].step_s
         return -(now - waiting.job.arrival_s + run) / run
 
     def schedule(self, now: float, queue: list[Waiting], cluster: SimCluster) -> list[Start | Reject]:
@@ -101,12 +107,12 @@ class Frenzy:
                 looked += 1
             steps = waiting.job.steps
             last = position == len(ordered) - 1
-            for o, efficient in plans:
+            for o, step_s, efficient in plans:
                 if o.gpus > cluster.free_total[o.gpu_type]:
                     continue
                 if not efficient and (not last or o.gpus > self.idle_share * cluster.free_total[o.gpu_type]):
                     continue
-                ends = now + steps * cluster.predicted_step_s(o)
+                ends = now + steps * step_s
                 if reservation is not None and not reservation.admits(o, ends):
                     continue
                 placements = cluster.place(o.gpu_type, o.gpus, o.plan.tp)
@@ -117,7 +123,7 @@ class Frenzy:
                     break
             else:
                 if reservation is None:
-                    reservation = _reserve([o for o, _ in plans], cluster)
+                    reservation = _reserve([r.option for r in plans], cluster)
         return out
 
 
