@@ -1,0 +1,160 @@
+"""The MILP planner (HiGHS through scipy.optimize.milp): optimal placement of every W, and the
+start of every F and B, for the F/B order of the list-scheduling planner.
+
+Formulation. Each live worker keeps the order of its F and B actions (own and re-routed work,
+as the heuristic planner interleaves them); between consecutive ones sits a gap that runs an
+integer number n of W actions. W's of a stage all cost the same and run first-in first-out, so
+only these counts matter, not which W goes where (the symmetry that keeps the model small:
+one integer per gap instead of a binary per W and position). Variables: the start t of every F/B,
+the counts n, each worker's finish, each stage's all-reduce start and the makespan T.
+
+    minimise T  subject to
+    t[next] >= t[a] + d(a) + W_s * n[a]                       (no overlap on a worker)
+    t[F(q,j,s)] >= t[F(q,j,s-1)] + F_{s-1} + p2p,  t[B(q,j,s)] >= t[B(q,j,s+1)] + B_{s+1} + p2p
+    sum of n up to a <= B's up to a;  sum of n = micro-batches hosted    (W after its B, all W)
+    F's up to a - sum of n before a <= memory bound                       (in flight, F to W)
+    allreduce_s >= finish of every live worker of s;  T >= allreduce_s + AR_s(live) + OPT_s
+
+Assumptions: re-routed micro-batches go to the hosts ``failures.reroute`` chose (balanced), and
+the F/B order is the heuristic's, so the MILP decides timing and W placement, not the order of
+forwards and backwards; the heuristic's own schedule is a feasible point, so solved to optimality
+the MILP is never worse. Times are scaled to the stage's forward for the solver. Past the time
+limit the incumbent is used and the status says ``time_limit`` with HiGHS's gap.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_array
+
+from frenzy_prefect.recycle.costs import StageCosts
+from frenzy_prefect.recycle.failures import Worker
+from frenzy_prefect.recycle.memory import MemoryBound
+from frenzy_prefect.recycle.planners.base import Plan, Problem
+from frenzy_prefect.recycle.planners.heuristic import best_schedule
+from frenzy_prefect.recycle.schedule import ComputeItem, assemble
+from frenzy_prefect.recycle.timeline import run_timeline
+
+TIME_LIMIT_S = 10.0
+
+
+class _Rows:
+    """Sparse rows lo <= sum(coef * x) <= hi, collected before building the matrix."""
+
+    def __init__(self) -> None:
+        self.r: list[int] = []
+        self.c: list[int] = []
+        self.v: list[float] = []
+        self.lo: list[float] = []
+        self.hi: list[float] = []
+
+    def add(self, terms: list[tuple[int, float]], lo: float, hi: float) -> None:
+        row = len(self.lo)
+        for col, coef in terms:
+            self.r.append(row)
+            self.c.append(col)
+            self.v.append(coef)
+        self.lo.append(lo)
+        self.hi.append(hi)
+
+    def constraint(self, n: int) -> LinearConstraint:
+        a = coo_array((self.v, (self.r, self.c)), shape=(len(self.lo), n)).tocsr()
+        return LinearConstraint(a, np.array(self.lo), np.array(self.hi))
+
+
+def solve(problem: Problem, fb_orders: dict[Worker, list[ComputeItem]], time_limit_s: float):
+    """(F/B/W orders, status, gap) of the MILP over ``fb_orders``; None if HiGHS found no solution."""
+    costs, pp = problem.costs, problem.pp
+    unit = max(costs.forward_s) or 1.0
+    dur = {k: [x / unit for x in getattr(costs, f)] for k, f in (("F", "forward_s"), ("B", "backward_input_s"), ("W", "backward_weight_s"))}
+    p2p = costs.p2p_s / unit
+    inf = np.inf
+    col = 0
+    t_of: dict[tuple[str, int, int, int], int] = {}
+    n_of: dict[Worker, list[int]] = {}
+    for w, items in fb_orders.items():
+        for kind, q, j in items:
+            t_of[(kind, q, j, w[1])] = col
+            col += 1
+        n_of[w] = list(range(col, col + len(items)))
+        col += len(items)
+    finish = {w: col + i for i, w in enumerate(fb_orders)}
+    col += len(fb_orders)
+    allreduce = {s: col + s for s in range(pp)}
+    col += pp
+    makespan = col
+    col += 1
+
+    rows = _Rows()
+    for w, items in fb_orders.items():
+        s, ns = w[1], n_of[w]
+        wd = dur["W"][s]
+        b_seen = f_seen = 0
+        cum: list[tuple[int, float]] = []
+        for k, (kind, q, j) in enumerate(items):
+            me = t_of[(kind, q, j, s)]
+            if kind == "F":
+                f_seen += 1
+                if problem.bounds is not None and f_seen > problem.bounds[s]:
+                    # in flight once this F runs, F's so far minus W's before it, within the bound
+                    if not cum:
+                        return None
+                    rows.add(cum, f_seen - problem.bounds[s], inf)
+                if s > 0:
+                    rows.add([(me, 1.0), (t_of[("F", q, j, s - 1)], -1.0)], dur["F"][s - 1] + p2p, inf)
+            else:
+                b_seen += 1
+                if s < pp - 1:
+                    rows.add([(me, 1.0), (t_of[("B", q, j, s + 1)], -1.0)], dur["B"][s + 1] + p2p, inf)
+            cum = cum + [(ns[k], 1.0)]
+            rows.add(cum, -inf, b_seen)  # W's so far never outrun B's so far
+            nxt = t_of[items[k + 1][0], items[k + 1][1], items[k + 1][2], s] if k + 1 < len(items) else finish[w]
+            rows.add([(nxt, 1.0), (me, -1.0), (ns[k], -wd)], dur[kind][s], inf)
+        rows.add(cum, len(problem.hosted[w]), len(problem.hosted[w]))
+        rows.add([(allreduce[s], 1.0), (finish[w], -1.0)], 0.0, inf)
+    for s in range(pp):
+        live = sum(1 for w in fb_orders if w[1] == s)
+        tail = (costs.allreduce_s(s, live) + costs.optimizer_s[s]) / unit
+        rows.add([(makespan, 1.0), (allreduce[s], -1.0)], tail, inf)
+
+    integrality = np.zeros(col)
+    for ns in n_of.values():
+        integrality[ns] = 1
+    objective = np.zeros(col)
+    objective[makespan] = 1.0
+    result = milp(objective, constraints=rows.constraint(col), integrality=integrality, bounds=Bounds(0, inf),
+                  options={"time_limit": time_limit_s, "disp": False})  # fmt: skip
+    if result.x is None:
+        return None
+    status = "optimal" if result.status == 0 else "time_limit"
+    gap = getattr(result, "mip_gap", None)
+    counts = {w: [int(round(result.x[i])) for i in ns] for w, ns in n_of.items()}
+    orders: dict[Worker, list[ComputeItem]] = {}
+    for w, items in fb_orders.items():
+        fifo: deque[tuple[int, int]] = deque()
+        out: list[ComputeItem] = []
+        for (kind, q, j), n in zip(items, counts[w], strict=True):
+            out.append((kind, q, j))
+            if kind == "B":
+                fifo.append((q, j))
+            out += [("W", *fifo.popleft()) for _ in range(n)]
+        orders[w] = out
+    return orders, status, gap
+
+
+def plan(dp: int, pp: int, microbatches: int, failures_per_stage, costs: StageCosts, memory_bound: MemoryBound = None,
+         *, time_limit_s: float = TIME_LIMIT_S) -> Plan:  # fmt: skip
+    started = time.perf_counter()
+    problem = Problem(dp, pp, microbatches, failures_per_stage, costs, memory_bound)
+    seed, _ = best_schedule(problem)
+    fb = {w: [(a.kind, a.pipeline, a.micro) for a in program if a.kind in ("F", "B")] for w, program in seed.programs.items()}
+    solved = solve(problem, fb, max(0.1, time_limit_s - (time.perf_counter() - started)))
+    if solved is None:
+        raise RuntimeError(f"HiGHS found no schedule for failure key {problem.key} within {time_limit_s} s")
+    orders, status, gap = solved
+    schedule = assemble(dp, pp, microbatches, problem.failed, orders)
+    return problem.result(schedule, run_timeline(schedule, costs), "milp", time.perf_counter() - started, status, gap)
