@@ -39,6 +39,7 @@ def test_heuristic_schedules_always_validate(case, data):
     validate(plan.schedule, costs, bound)
     assert plan.schedule.failed == canonical_failed(dp, key)
     assert plan.iteration_s == pytest.approx(run_timeline(plan.schedule, costs).iteration_s)
+    assert plan.lower_bound_s <= plan.iteration_s * (1 + 1e-9)
 
 
 @given(cases(max_dp=3, max_pp=3, max_m=6), st.data())
@@ -52,6 +53,7 @@ def test_milp_schedules_validate_and_never_lose_to_the_heuristic(case, data):
     validate(opt.schedule, costs, bound)
     assert opt.status == "optimal"
     assert opt.iteration_s <= h.iteration_s * (1 + 1e-6) + 1e-9
+    assert opt.lower_bound_s <= opt.iteration_s * (1 + 1e-9)
 
 
 @pytest.mark.parametrize(("dp", "pp", "m"), [(2, 2, 4), (3, 4, 8), (2, 3, 6), (3, 2, 5)])
@@ -106,6 +108,8 @@ def test_a_failure_in_a_wide_shallow_pipeline_keeps_over_90_percent():
     costs = StageCosts.from_fault_free_step(1.0, 8, 4, 32)
     plan = heuristic.plan(8, 4, 32, (1, 0, 0, 0), costs)
     assert plan.relative_throughput > 0.9
+    # The first stage's hosts never idle: the schedule meets the work bound.
+    assert plan.iteration_s == pytest.approx(plan.lower_bound_s)
 
 
 def test_without_failures_deferring_w_fills_the_1f1b_bubble():

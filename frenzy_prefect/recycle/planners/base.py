@@ -27,7 +27,8 @@ class Plan(BaseModel):
     planner: str
     planner_wall_s: float
     status: Status
-    mip_gap: float | None = None  # MILP: relative gap between its incumbent and its bound
+    mip_gap: float | None = None  # MILP: (iteration - HiGHS's bound for this F/B order) / iteration
+    lower_bound_s: float = 0.0  # no schedule of this failure key can be faster (Problem.lower_bound_s)
 
     @property
     def relative_throughput(self) -> float:
@@ -60,9 +61,22 @@ class Problem:
     def cap(self, stage: int, wanted: int) -> int:
         return wanted if self.bounds is None else min(wanted, self.bounds[stage])
 
+    def lower_bound_s(self) -> float:
+        """A bound every schedule obeys, whatever its order and re-routing: a worker of stage s
+        cannot start before a micro-batch has passed the stages before it, must then run F, B and W
+        of every micro-batch it hosts (balanced hosting minimises the most loaded), and its stage
+        then all-reduces and steps; nor can an iteration beat one micro-batch's round trip."""
+        c = self.costs
+        fill = [sum(c.forward_s[:s]) + s * c.p2p_s for s in range(self.pp)]
+        live = {s: sum(1 for w in self.hosted if w[1] == s) for s in range(self.pp)}
+        tail = [c.allreduce_s(s, live[s]) + c.optimizer_s[s] for s in range(self.pp)]
+        work = max(fill[s] + len(mbs) * (c.forward_s[s] + c.backward_input_s[s] + c.backward_weight_s[s]) + tail[s] for (_, s), mbs in self.hosted.items())
+        trip = sum(c.forward_s) + sum(c.backward_input_s) + 2 * (self.pp - 1) * c.p2p_s + c.backward_weight_s[0] + tail[0]
+        return max(work, trip)
+
     def fault_free_s(self) -> float:
         return fault_free_iteration_s(self.costs, self.dp, self.pp, self.m)
 
     def result(self, schedule: Schedule, timeline: Timeline, planner: str, wall_s: float, status: Status, gap: float | None = None) -> Plan:
         return Plan(key=self.key, schedule=schedule, iteration_s=timeline.iteration_s, fault_free_s=self.fault_free_s(),
-                    planner=planner, planner_wall_s=wall_s, status=status, mip_gap=gap)  # fmt: skip
+                    planner=planner, planner_wall_s=wall_s, status=status, mip_gap=gap, lower_bound_s=self.lower_bound_s())  # fmt: skip
