@@ -61,7 +61,7 @@ def test_milp_is_optimal_and_at_least_as_good_on_small_cases(dp, pp, m):
     costs = StageCosts.from_fault_free_step(1.0, dp, pp, m)
     for key in failure_keys(dp, pp, 1):
         h, opt = heuristic.plan(dp, pp, m, key, costs), milp.plan(dp, pp, m, key, costs)
-        assert opt.status == "optimal" and opt.mip_gap is not None and opt.mip_gap <= 1e-4
+        assert opt.status == "optimal" and opt.mip_gap is not None and opt.mip_gap <= milp.MIP_REL_GAP
         assert opt.iteration_s <= h.iteration_s + 1e-9
 
 
