@@ -20,9 +20,11 @@ the F/B order is the heuristic's, so the MILP decides timing and W placement, no
 forwards and backwards; the heuristic's own schedule is a feasible point, so solved to optimality
 the MILP is never worse. Times are scaled to the largest forward for the solver.
 
-Solving. scipy's HiGHS takes no starting solution, so the seed's makespan enters as a cutoff
-(T <= seed). The LP relaxation is solved first: when its bound reaches the seed's makespan the seed
+Solving. The LP relaxation is solved first: when its bound reaches the seed's makespan the seed
 is optimal for its order and branch and bound is skipped (most unbounded-memory keys end there).
+scipy's HiGHS takes no starting solution; the seed's makespan as a cutoff row (T <= seed) was
+tried and dropped: on one 4 x 8 key HiGHS then spent 24 s in the root node without an incumbent;
+without the row it solved that key in 4 s.
 "optimal" means proved within MIP_REL_GAP (0.1%) of HiGHS's bound for this F/B order.
 ``time_limit_s`` covers the whole call (seed, model, solve); HiGHS gets SOLVER_SHARE of what is
 left, as it checks its clock only now and then and overruns on a busy machine. Stopped by the
@@ -50,6 +52,7 @@ from frenzy_prefect.recycle.timeline import run_timeline
 
 TIME_LIMIT_S = 10.0
 SOLVER_SHARE = 0.7
+DISP = False  # HiGHS's log on the console
 MIP_REL_GAP = 1e-3  # "optimal": within 0.1% of the bound
 
 
@@ -78,13 +81,14 @@ class _Rows:
 
 
 class Solved(NamedTuple):
-    orders: dict[Worker, list[ComputeItem]] | None  # None: no better incumbent than the cutoff's
+    orders: dict[Worker, list[ComputeItem]] | None  # None: no incumbent in time, or the LP proved the cutoff optimal
     optimal: bool  # proved: orders (or, without orders, the cutoff's schedule) cannot be improved
     lower_bound_s: float  # HiGHS's bound on the makespan for this F/B order
 
 
 def solve(problem: Problem, fb_orders: dict[Worker, list[ComputeItem]], time_limit_s: float, cutoff_s: float = np.inf) -> Solved | None:
-    """The MILP over ``fb_orders``; None when it is infeasible (a memory bound the order cannot meet)."""
+    """The MILP over ``fb_orders``; None when it is infeasible (a memory bound the order cannot
+    meet). ``cutoff_s``: the makespan of a known schedule; an LP bound that reaches it ends the solve."""
     costs, pp = problem.costs, problem.pp
     unit = max(costs.forward_s) or 1.0
     dur = {k: [x / unit for x in getattr(costs, f)] for k, f in (("F", "forward_s"), ("B", "backward_input_s"), ("W", "backward_weight_s"))}
@@ -137,7 +141,6 @@ def solve(problem: Problem, fb_orders: dict[Worker, list[ComputeItem]], time_lim
         live = sum(1 for w in fb_orders if w[1] == s)
         tail = (costs.allreduce_s(s, live) + costs.optimizer_s[s]) / unit
         rows.add([(makespan, 1.0), (allreduce[s], -1.0)], tail, inf)
-    rows.add([(makespan, 1.0)], 0.0, cutoff_s / unit * (1 + 1e-9))
 
     objective = np.zeros(col)
     objective[makespan] = 1.0
@@ -154,7 +157,7 @@ def solve(problem: Problem, fb_orders: dict[Worker, list[ComputeItem]], time_lim
     for ns in n_of.values():
         integrality[ns] = 1
     result = milp(objective, constraints=constraints, integrality=integrality, bounds=Bounds(0, inf),
-                  options={"time_limit": max(0.05, deadline - time.perf_counter()), "disp": False, "mip_rel_gap": MIP_REL_GAP})  # fmt: skip
+                  options={"time_limit": max(0.05, deadline - time.perf_counter()), "disp": DISP, "mip_rel_gap": MIP_REL_GAP})  # fmt: skip
     if result.status == 2:
         return None
     bounds = [b for b in (result.get("mip_dual_bound"), relaxed.fun if relaxed.x is not None else None) if b is not None and np.isfinite(b)]
@@ -184,7 +187,7 @@ def plan(dp: int, pp: int, microbatches: int, failures_per_stage, costs: StageCo
     # HiGHS overruns its limit a little (presolve, the last node): keep a margin for the rest.
     budget = SOLVER_SHARE * (time_limit_s - (time.perf_counter() - started))
     solved = solve(problem, fb, max(0.05, budget), cutoff_s=seed_timeline.iteration_s)
-    if solved is None:  # cannot happen: the seed meets the memory bound and the cutoff
+    if solved is None:  # cannot happen: the seed is a feasible point
         raise RuntimeError(f"the MILP for failure key {problem.key} is infeasible although its seed schedule is not")
     schedule, timeline = seed, seed_timeline
     if solved.orders is not None:
