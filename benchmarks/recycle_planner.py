@@ -106,13 +106,19 @@ def main() -> None:
     planned = [r for r in rows if "key" in r]
     one = [r for r in planned if r["pattern"].startswith("1 ")]
     targets = {
+        # the worst single failure (first, middle or last stage), per shape and memory bound
         "one_failure_min_relative_throughput": {
-            f"{dp}x{pp}": min(r["milp_relative_throughput"] for r in one if (r["dp"], r["pp"]) == (dp, pp)) for dp, pp in SHAPES
+            f"{dp}x{pp} bound={bound}": min(r["milp_relative_throughput"] for r in one if (r["dp"], r["pp"], r["memory_bound"]) == (dp, pp, bound))
+            for dp, pp in SHAPES for bound in (None, pp)
+        },
+        "one_failure_min_lower_bound_relative_throughput": {
+            f"{dp}x{pp}": min(r["lower_bound_relative_throughput"] for r in one if (r["dp"], r["pp"]) == (dp, pp)) for dp, pp in SHAPES
         },
         "milp_max_wall_s_8_stages": max(r["milp_wall_s"] for r in planned if r["pp"] == 8),
         "heuristic_max_over_milp": max(r["heuristic_over_milp_iteration"] for r in planned),
     }
-    print(f"targets: one failure >= 90% of fault-free: {targets['one_failure_min_relative_throughput']}; "
+    worst = {k: f"{v:.1%}" for k, v in targets["one_failure_min_relative_throughput"].items()}
+    print(f"targets: one failure >= 90% of fault-free: {worst}; "
           f"MILP <= 10 s per key at 8 stages: max {targets['milp_max_wall_s_8_stages']:.2f} s; "
           f"heuristic within 5% of MILP: worst {targets['heuristic_max_over_milp'] - 1:+.2%}")  # fmt: skip
     write_result(
