@@ -85,6 +85,15 @@ def test_action_strings_round_trip():
         parse_action("X1")
 
 
+def test_schedules_survive_json_and_compact_form():
+    from frenzy_prefect.recycle.schedule import Schedule
+
+    schedule = one_f_one_b(2, 3, 4).replaced((1, 2), one_f_one_b(2, 3, 4).programs[(1, 2)])
+    assert Schedule.model_validate_json(schedule.model_dump_json()) == schedule
+    compact = {f"{p},{s}": schedule.render((p, s)).split() for p, s in schedule.programs}
+    assert Schedule(dp=2, pp=3, microbatches=4, programs=compact) == schedule
+
+
 def test_one_f_one_b_holds_pp_minus_stage_in_flight():
     schedule = one_f_one_b(2, 4, 8)
     assert [in_flight_peak(schedule, (0, s)) for s in range(4)] == [4, 3, 2, 1]

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from frenzy_prefect.recycle.failures import Worker, check_shape, live_pipelines
 
@@ -77,6 +77,18 @@ class Schedule(BaseModel):
     microbatches: int
     failed: frozenset[Worker] = frozenset()
     programs: dict[Worker, tuple[Action, ...]]
+
+    @field_validator("programs", mode="before")
+    @classmethod
+    def _from_json(cls, programs: Any) -> Any:
+        """JSON writes the worker keys as "p,s"; actions may also be given in compact form ("F3@1")."""
+        if not isinstance(programs, dict):
+            return programs
+        out = {}
+        for worker, program in programs.items():
+            key = tuple(int(x) for x in worker.split(",")) if isinstance(worker, str) else worker
+            out[key] = [parse_action(a) if isinstance(a, str) else a for a in program]
+        return out
 
     @property
     def divisor(self) -> int:
