@@ -400,7 +400,8 @@ def recycle_plan(
     from frenzy_prefect.recycle.costs import StageCosts
     from frenzy_prefect.recycle.failures import key_from_stages
     from frenzy_prefect.recycle.planners import planner
-    from frenzy_prefect.recycle.timeline import run_timeline
+    from frenzy_prefect.recycle.schedule import one_f_one_b
+    from frenzy_prefect.recycle.timeline import run_timeline, steady_state_period_s
 
     def body() -> None:
         run = planner(planner_name)
@@ -408,6 +409,8 @@ def recycle_plan(
         key = key_from_stages(dp, pp, _failed_stages(fail))
         result = run(dp, pp, microbatches, key, costs, memory_bound)
         timeline = run_timeline(result.schedule, costs)
+        period = steady_state_period_s(result.schedule, costs)
+        fault_free_period = steady_state_period_s(one_f_one_b(dp, pp, microbatches), costs)
         stages = []
         for s in range(pp):
             live = result.schedule.live(s)
@@ -420,7 +423,7 @@ def recycle_plan(
             "dp": dp, "pp": pp, "microbatches": microbatches, "failures_per_stage": list(key), "planner": result.planner,
             "status": result.status, "mip_gap": result.mip_gap, "iteration_s": result.iteration_s, "fault_free_s": result.fault_free_s,
             "relative_throughput": result.relative_throughput, "planner_wall_s": result.planner_wall_s, "memory_bound": memory_bound,
-            "stages": stages,
+            "steady_state_period_s": period, "steady_state_relative_throughput": fault_free_period / period, "stages": stages,
         }  # fmt: skip
         if actions:
             out["actions"] = {f"{p},{s}": result.schedule.render((p, s)) for p, s in sorted(result.schedule.programs)}
@@ -439,6 +442,7 @@ def recycle_plan(
             f"iteration {result.iteration_s:.4g} s (fault-free 1F1B {result.fault_free_s:.4g} s): "
             f"{result.relative_throughput:.1%} of fault-free throughput; planned in {result.planner_wall_s * 1e3:.1f} ms ({result.status}{gap})"
         )
+        console.print(f"back to back (staggered optimizer steps): {period:.4g} s per iteration, {out['steady_state_relative_throughput']:.1%} of fault-free")
         for worker, program in out.get("actions", {}).items():
             console.print(f"({worker}): {program}", soft_wrap=True)
 

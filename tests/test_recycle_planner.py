@@ -13,7 +13,7 @@ from frenzy_prefect.recycle.memory import in_flight_peak
 from frenzy_prefect.recycle.planners import PLANNERS, planner
 from frenzy_prefect.recycle.planners import heuristic, milp
 from frenzy_prefect.recycle.schedule import Action
-from frenzy_prefect.recycle.timeline import fault_free_iteration_s, run_timeline
+from frenzy_prefect.recycle.timeline import fault_free_iteration_s, run_timeline, steady_state_period_s
 from frenzy_prefect.recycle.validate import InvalidSchedule, validate, violations
 
 
@@ -102,6 +102,16 @@ def test_one_failure_costs_throughput_but_less_than_the_naive_bound():
         naive = fault_free_iteration_s(costs, dp, pp, most)
         assert healthy.iteration_s < plan.iteration_s < naive
         assert plan.fault_free_s == pytest.approx(1.0)
+
+
+def test_staggered_steps_let_the_next_warm_up_overlap_a_late_stages_tail():
+    costs = StageCosts.from_fault_free_step(1.0, 4, 4, 8)
+    plan = heuristic.plan(4, 4, 8, (0, 0, 0, 1), costs)
+    period = steady_state_period_s(plan.schedule, costs)
+    assert period < plan.iteration_s
+    # Still no faster than the busiest worker's own work, all-reduce and optimizer step.
+    hosted = max(plan.schedule.compute_counts(w) for w in plan.schedule.programs)
+    assert period >= hosted * 3 * costs.forward_s[0] + costs.allreduce_s(3, 3) + costs.optimizer_s[3] - 1e-9
 
 
 def test_a_failure_in_a_wide_shallow_pipeline_keeps_over_90_percent():

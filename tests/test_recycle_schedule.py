@@ -21,7 +21,7 @@ from frenzy_prefect.recycle.failures import (
 )
 from frenzy_prefect.recycle.memory import in_flight_bound, in_flight_peak
 from frenzy_prefect.recycle.schedule import Action, one_f_one_b, parse_action
-from frenzy_prefect.recycle.timeline import ScheduleDeadlock, fault_free_iteration_s, run_timeline
+from frenzy_prefect.recycle.timeline import ScheduleDeadlock, fault_free_iteration_s, run_timeline, steady_state_period_s
 from frenzy_prefect.recycle.validate import InvalidSchedule, validate, violations
 from frenzy_prefect.spec.catalog import GPU_CATALOG
 from frenzy_prefect.spec.plan import ParallelPlan
@@ -205,6 +205,15 @@ def test_the_memory_bound_is_checked_per_stage():
 def test_costs_must_match_the_schedules_stages():
     with pytest.raises(RecycleInputError, match="the costs describe 3 stages but the schedule has pp=2"):
         run_timeline(BASE, StageCosts.uniform(3))
+
+
+def test_steady_state_of_1f1b_is_its_iteration_time():
+    # Stage 0 finishes last and starts the next iteration: 1F1B gains nothing from staggering.
+    costs = StageCosts.uniform(4, 1.0, 1.0, 1.0, p2p=0.1, gradient_transfer=1.0, optimizer=0.5)
+    schedule = one_f_one_b(2, 4, 8)
+    timeline = run_timeline(schedule, costs, iterations=3)
+    assert timeline.iteration_ends == pytest.approx([fault_free_iteration_s(costs, 2, 4, 8) * k for k in (1, 2, 3)])
+    assert steady_state_period_s(schedule, costs) == pytest.approx(fault_free_iteration_s(costs, 2, 4, 8))
 
 
 def test_timeline_bubbles_of_1f1b():

@@ -7,11 +7,15 @@ of the stage to reach it (a collective), the optimizer for the all-reduce. Sends
 time (asynchronous). Start times are as soon as possible, which for fixed per-worker orders is the
 earliest possible for every action.
 
-Iteration time: the makespan of one iteration started with every worker idle at time 0, up to the
-end of the last stage's optimizer step. Stages step their optimizers independently (staggered, no
-global barrier), so each stage finishes at its own time; the overlap of the next iteration's
-warm-up with this one's deferred W and optimizer steps is not modelled, which makes the iteration
-time an upper bound on the steady-state period (the same bound for the fault-free baseline).
+Iteration time (what the planners minimise): the makespan of one iteration started with every
+worker idle at time 0, up to the end of the last stage's optimizer step. Stages step their
+optimizers independently (staggered, no global barrier), so each stage finishes at its own time.
+
+Steady state (``steady_state_period_s``): the schedule repeated back to back, each worker starting
+its next iteration's program as soon as it has finished its own previous one (its stage's
+optimizer step: the weights it needs are then updated), so the next iteration's warm-up overlaps
+other stages' deferred W's and optimizer steps. The period is the gap between the ends of the
+last two of a few iterations; the iteration time above bounds it from above.
 """
 
 from __future__ import annotations
@@ -29,9 +33,10 @@ class ScheduleDeadlock(RecycleInputError):
 
 
 class Timeline(NamedTuple):
-    starts: dict[Worker, list[float]]
+    starts: dict[Worker, list[float]]  # per action of the program (repeated, for several iterations)
     ends: dict[Worker, list[float]]
-    iteration_s: float
+    iteration_s: float  # the makespan of all the iterations run
+    iteration_ends: list[float]  # when each iteration's last optimizer step ends
 
     def busy_s(self, worker: Worker) -> float:
         return sum(e - s for s, e in zip(self.starts[worker], self.ends[worker], strict=True))
@@ -66,18 +71,20 @@ def _needs(a: Action, stage: int, pp: int) -> tuple[tuple, ...]:
     return ()
 
 
-def run_timeline(schedule: Schedule, costs: StageCosts) -> Timeline:
-    """Start and end of every action; raises ScheduleDeadlock naming the stuck workers."""
+def run_timeline(schedule: Schedule, costs: StageCosts, iterations: int = 1) -> Timeline:
+    """Start and end of every action of ``iterations`` back-to-back iterations; raises
+    ScheduleDeadlock naming the stuck workers."""
     pp = schedule.pp
     costs.check_stages(pp)
     ready: dict[tuple, float] = {}
     waiting: dict[tuple, list[Worker]] = defaultdict(list)
-    programs = schedule.programs
+    length = {w: len(program) for w, program in schedule.programs.items()}
+    programs = {w: program * iterations for w, program in schedule.programs.items()}
     ptr = {w: 0 for w in programs}
     free = {w: 0.0 for w in programs}
     starts: dict[Worker, list[float]] = {w: [] for w in programs}
     ends: dict[Worker, list[float]] = {w: [] for w in programs}
-    arrived: dict[int, dict[Worker, float]] = defaultdict(dict)
+    arrived: dict[tuple[int, int], dict[Worker, float]] = defaultdict(dict)  # (stage, iteration)
     live_count = {s: sum(1 for (_, st) in programs if st == s) for s in range(pp)}
     queue = deque(programs)
 
@@ -96,20 +103,22 @@ def run_timeline(schedule: Schedule, costs: StageCosts) -> Timeline:
         program, stage = programs[w], w[1]
         while ptr[w] < len(program):
             a = program[ptr[w]]
+            it = ptr[w] // length[w]
             if a.kind == "AR":
-                if w in arrived[stage]:
+                group = arrived[(stage, it)]
+                if w in group:
                     break
-                arrived[stage][w] = free[w]
-                if len(arrived[stage]) < live_count[stage]:
+                group[w] = free[w]
+                if len(group) < live_count[stage]:
                     break
-                begin = max(arrived[stage].values())
+                begin = max(group.values())
                 end = begin + costs.allreduce_s(stage, live_count[stage])
-                for peer in arrived[stage]:
+                for peer in group:
                     finish(peer, begin, end, None, end)
                     if peer != w:
                         queue.append(peer)
                 continue
-            needs = _needs(a, stage, pp)
+            needs = [(*k, it) for k in _needs(a, stage, pp)]
             missing = next((k for k in needs if k not in ready), None)
             if missing is not None:
                 waiting[missing].append(w)
@@ -118,11 +127,11 @@ def run_timeline(schedule: Schedule, costs: StageCosts) -> Timeline:
             kind = a.kind
             if kind in ("F", "B", "W"):
                 end = start + costs.compute_s(kind, stage)
-                finish(w, start, end, (kind, a.pipeline, a.micro, stage), end)
+                finish(w, start, end, (kind, a.pipeline, a.micro, stage, it), end)
             elif kind in ("SA", "SG"):
-                finish(w, start, start, (kind, a.pipeline, a.micro, stage), start + costs.p2p_s)
+                finish(w, start, start, (kind, a.pipeline, a.micro, stage, it), start + costs.p2p_s)
             elif kind in ("RA", "RG"):
-                finish(w, start, start, (kind, a.pipeline, a.micro, stage), start)
+                finish(w, start, start, (kind, a.pipeline, a.micro, stage, it), start)
             elif kind == "OPT":
                 end = start + costs.optimizer_s[stage]
                 finish(w, start, end, None, end)
@@ -133,11 +142,18 @@ def run_timeline(schedule: Schedule, costs: StageCosts) -> Timeline:
         shown = ", ".join(f"(pipeline {p}, stage {s}) at {a}" for (p, s), a in sorted(stuck.items())[:6])
         raise ScheduleDeadlock(f"the schedule deadlocks: {len(stuck)} worker(s) never finish: {shown}")
     makespan = max((e[-1] for e in ends.values() if e), default=0.0)
-    return Timeline(starts, ends, makespan)
+    iteration_ends = [max((e[(i + 1) * length[w] - 1] for w, e in ends.items() if length[w]), default=0.0) for i in range(iterations)]
+    return Timeline(starts, ends, makespan, iteration_ends)
 
 
 def iteration_s(schedule: Schedule, costs: StageCosts) -> float:
     return run_timeline(schedule, costs).iteration_s
+
+
+def steady_state_period_s(schedule: Schedule, costs: StageCosts, iterations: int = 4) -> float:
+    """Seconds per iteration once iterations run back to back (staggered optimizer steps)."""
+    ends = run_timeline(schedule, costs, max(2, iterations)).iteration_ends
+    return ends[-1] - ends[-2]
 
 
 def fault_free_iteration_s(costs: StageCosts, dp: int, pp: int, microbatches: int) -> float:
