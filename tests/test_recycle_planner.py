@@ -164,6 +164,7 @@ def test_cache_looks_up_any_failed_set_with_the_same_counts():
     validate(actual, costs)
     assert run_timeline(actual, costs).iteration_s == pytest.approx(a.plan.iteration_s)
     assert cache.lookup([]).key == (0, 0, 0)
+    assert cache.rerouted_s((1, 0, 1)) == a.plan.iteration_s and cache.plan([0, 0, 0]).relative_throughput == pytest.approx(1, abs=0.2)
     with pytest.raises(RecycleInputError, match=r"no precomputed plan for failures per stage \(1, 1, 1\) \(3 failures\); this cache covers up to 2"):
         cache.lookup({(0, 0), (0, 1), (0, 2)})
     with pytest.raises(NeedsCheckpointRestart, match="stage.s. 1 lost all 3 replicas"):

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from frenzy_prefect.recycle.costs import StageCosts
-from frenzy_prefect.recycle.failures import FailureKey, RecycleInputError, Worker, normalise, pipeline_maps
+from frenzy_prefect.recycle.failures import FailureKey, RecycleInputError, Worker, check_key, normalise, pipeline_maps
 from frenzy_prefect.recycle.memory import MemoryBound
 from frenzy_prefect.recycle.planners import Plan, planner
 
@@ -46,14 +46,24 @@ class PlanCache:
     def __len__(self) -> int:
         return len(self.plans)
 
+    def plan(self, failures_per_stage: Iterable[int]) -> Plan:
+        """The plan of a failure key (failures per stage), without the relabelling."""
+        key = check_key(self.dp, self.pp, failures_per_stage)
+        if key not in self.plans:
+            raise RecycleInputError(
+                f"no precomputed plan for failures per stage {key} ({sum(key)} failures); this cache covers up to {self.max_failures}"
+            )
+        return self.plans[key]
+
+    def rerouted_s(self, failures_per_stage: tuple[int, ...]) -> float:
+        """The iteration time under these failures per stage: what the resilience simulator's
+        IterationTimes takes as ``reroute``."""
+        return self.plan(failures_per_stage).iteration_s
+
     def lookup(self, failed: Iterable[Worker]) -> Lookup:
         """The plan for these failed (pipeline, stage) workers; NeedsCheckpointRestart when a stage
         has no live replica, RecycleInputError when the failures exceed what was precomputed."""
         failed = frozenset(failed)
         key = normalise(self.dp, self.pp, failed)
-        plan = self.plans.get(key)
-        if plan is None:
-            raise RecycleInputError(
-                f"no precomputed plan for failures per stage {key} ({sum(key)} failures); this cache covers up to {self.max_failures}"
-            )
+        plan = self.plans.get(key) or self.plan(key)
         return Lookup(key, plan, pipeline_maps(self.dp, failed, key))
