@@ -180,3 +180,16 @@ def test_allreduce_uses_the_live_peers_and_normalises_by_the_global_count():
     program = plan.schedule.programs[(0, 0)]
     i = program.index(ar)
     assert timeline.ends[(0, 0)][i] - timeline.starts[(0, 0)][i] == pytest.approx(3.0 * 2 * 2 / 3)  # 3 live peers
+
+
+def test_branch_and_bound_runs_in_a_child_that_is_killed_when_time_is_up():
+    import numpy as np
+    from scipy.optimize import LinearConstraint
+
+    from frenzy_prefect.recycle import killable_milp
+
+    # maximise x + y with 2x + 2y <= 3, integers: 1
+    args = (np.array([-1.0, -1.0]), LinearConstraint(np.array([[2.0, 2.0]]), -np.inf, 3.0), np.ones(2), {"time_limit": 5.0})
+    solved = killable_milp.solve(*args, kill_after_s=60)
+    assert solved["status"] == 0 and sum(solved["x"]) == pytest.approx(1)
+    assert killable_milp.solve(*args, kill_after_s=0.001) is None

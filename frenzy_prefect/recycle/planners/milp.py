@@ -26,10 +26,11 @@ scipy's HiGHS takes no starting solution; the seed's makespan as a cutoff row (T
 tried and dropped: on one 4 x 8 key HiGHS then spent 24 s in the root node without an incumbent;
 without the row it solved that key in 4 s.
 "optimal" means proved within MIP_REL_GAP (0.1%) of HiGHS's bound for this F/B order.
-``time_limit_s`` covers the whole call (seed, model, solve); HiGHS gets SOLVER_SHARE of what is
-left, as it checks its clock only now and then and overruns on a busy machine. Stopped by the
-limit with a worse incumbent (or none), the planner returns the seed; the status then says
-``time_limit`` and ``mip_gap`` is measured from the returned schedule to HiGHS's bound.
+``time_limit_s`` covers the whole call (seed, model, solve). Branch and bound runs in a child
+process (killable_milp): HiGHS gets SOLVER_SHARE of what is left as its own limit, and the child
+is killed when all of it is spent. Stopped by the limit with a worse incumbent (or none), the planner returns the
+seed; the status then says ``time_limit`` and ``mip_gap`` is measured from the returned schedule
+to the best bound known (HiGHS's, or the LP relaxation's when the child was killed).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_array
 
 from frenzy_prefect.recycle.costs import StageCosts
+from frenzy_prefect.recycle import killable_milp
 from frenzy_prefect.recycle.failures import Worker
 from frenzy_prefect.recycle.memory import MemoryBound
 from frenzy_prefect.recycle.planners.base import Plan, Problem
@@ -51,7 +53,8 @@ from frenzy_prefect.recycle.schedule import ComputeItem, assemble
 from frenzy_prefect.recycle.timeline import run_timeline
 
 TIME_LIMIT_S = 10.0
-SOLVER_SHARE = 0.7
+SOLVER_SHARE = 0.8  # of the solve's budget, HiGHS's own limit; the child is killed at the whole budget
+FINISH_MARGIN_S = 0.3
 DISP = False  # HiGHS's log on the console
 MIP_REL_GAP = 1e-3  # "optimal": within 0.1% of the bound
 
@@ -88,7 +91,8 @@ class Solved(NamedTuple):
 
 def solve(problem: Problem, fb_orders: dict[Worker, list[ComputeItem]], time_limit_s: float, cutoff_s: float = np.inf) -> Solved | None:
     """The MILP over ``fb_orders``; None when it is infeasible (a memory bound the order cannot
-    meet). ``cutoff_s``: the makespan of a known schedule; an LP bound that reaches it ends the solve."""
+    meet). ``cutoff_s``: the makespan of a known schedule; an LP bound that reaches it ends the solve.
+    ``time_limit_s``: the LP relaxation and the branch and bound together."""
     costs, pp = problem.costs, problem.pp
     unit = max(costs.forward_s) or 1.0
     dur = {k: [x / unit for x in getattr(costs, f)] for k, f in (("F", "forward_s"), ("B", "backward_input_s"), ("W", "backward_weight_s"))}
@@ -156,15 +160,17 @@ def solve(problem: Problem, fb_orders: dict[Worker, list[ComputeItem]], time_lim
     integrality = np.zeros(col)
     for ns in n_of.values():
         integrality[ns] = 1
-    result = milp(objective, constraints=constraints, integrality=integrality, bounds=Bounds(0, inf),
-                  options={"time_limit": max(0.05, deadline - time.perf_counter()), "disp": DISP, "mip_rel_gap": MIP_REL_GAP})  # fmt: skip
-    if result.status == 2:
+    highs_limit = max(0.05, SOLVER_SHARE * (deadline - time.perf_counter()))
+    options = {"time_limit": highs_limit, "disp": DISP, "mip_rel_gap": MIP_REL_GAP}
+    result = killable_milp.solve(objective, constraints, integrality, options, kill_after_s=max(0.1, deadline - time.perf_counter()))
+    if result is not None and result["status"] == 2:
         return None
-    bounds = [b for b in (result.get("mip_dual_bound"), relaxed.fun if relaxed.x is not None else None) if b is not None and np.isfinite(b)]
+    dual = None if result is None else result["dual_bound"]
+    bounds = [b for b in (dual, relaxed.fun if relaxed.x is not None else None) if b is not None and np.isfinite(b)]
     bound = max(bounds, default=0.0) * unit
-    if result.x is None:
+    if result is None or result["x"] is None:
         return Solved(None, False, bound)
-    counts = {w: [int(round(result.x[i])) for i in ns] for w, ns in n_of.items()}
+    counts = {w: [int(round(result["x"][i])) for i in ns] for w, ns in n_of.items()}
     orders: dict[Worker, list[ComputeItem]] = {}
     for w, items in fb_orders.items():
         fifo: deque[tuple[int, int]] = deque()
@@ -175,7 +181,7 @@ def solve(problem: Problem, fb_orders: dict[Worker, list[ComputeItem]], time_lim
                 fifo.append((q, j))
             out += [("W", *fifo.popleft()) for _ in range(n)]
         orders[w] = out
-    return Solved(orders, result.status == 0, bound)
+    return Solved(orders, result["status"] == 0, bound)
 
 
 def plan(dp: int, pp: int, microbatches: int, failures_per_stage, costs: StageCosts, memory_bound: MemoryBound = None,
@@ -184,9 +190,9 @@ def plan(dp: int, pp: int, microbatches: int, failures_per_stage, costs: StageCo
     problem = Problem(dp, pp, microbatches, failures_per_stage, costs, memory_bound)
     seed, seed_timeline = best_schedule(problem)
     fb = {w: [(a.kind, a.pipeline, a.micro) for a in program if a.kind in ("F", "B")] for w, program in seed.programs.items()}
-    # HiGHS overruns its limit a little (presolve, the last node): keep a margin for the rest.
-    budget = SOLVER_SHARE * (time_limit_s - (time.perf_counter() - started))
-    solved = solve(problem, fb, max(0.05, budget), cutoff_s=seed_timeline.iteration_s)
+    # What is left, less a margin for turning the solution into a schedule and timing it.
+    budget = time_limit_s - (time.perf_counter() - started) - FINISH_MARGIN_S
+    solved = solve(problem, fb, max(0.1, budget), cutoff_s=seed_timeline.iteration_s)
     if solved is None:  # cannot happen: the seed is a feasible point
         raise RuntimeError(f"the MILP for failure key {problem.key} is infeasible although its seed schedule is not")
     schedule, timeline = seed, seed_timeline
