@@ -161,3 +161,20 @@ def load_step_time_table(path: Path) -> StepTimeTable:
 
 def from_step_time_table(table: StepTimeTable, *, dp: int, pp: int, microbatches: int, reroute: Reroute | None = None) -> IterationTimes:
     return IterationTimes(dp, pp, microbatches, lambda d, p: table.step_s(d * p), reroute)
+
+
+DEFAULT_MODEL = "gpt2-xl"  # 1.5B parameters, 48 layers: splits evenly over 2, 4, 8 or 16 stages
+DEFAULT_GPU = "A100-80GB"  # the usual part in the papers' clusters (ReCycle and Oobleck used A100s)
+
+
+def from_preset(model: str, gpu: str, *, dp: int, pp: int, microbatches: int, reroute: Reroute | None = None) -> IterationTimes:
+    """``from_throughput_model`` by names: a preset or HF config.json path, and a catalog GPU type."""
+    from frenzy_prefect.profiling.model import resolve_model
+    from frenzy_prefect.spec.catalog import GPU_CATALOG
+
+    if gpu not in GPU_CATALOG:
+        raise FrenzyError(f"unknown GPU type {gpu!r}; known: {', '.join(GPU_CATALOG)}")
+    spec = resolve_model(model)
+    if pp > spec.layers:
+        raise FrenzyError(f"--pp {pp} is more stages than {spec.name} has layers ({spec.layers})")
+    return from_throughput_model(spec, GPU_CATALOG[gpu], dp=dp, pp=pp, microbatches=microbatches, reroute=reroute)
