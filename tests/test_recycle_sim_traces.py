@@ -152,3 +152,12 @@ def test_the_throughput_model_source_keeps_the_global_batch_when_the_grid_shrink
     full, three, halved = model.fault_free_s(4, 8), model.fault_free_s(3, 8), model.fault_free_s(2, 8)
     assert 0 < full < three < halved
     assert halved == pytest.approx(2 * full, rel=0.25)  # half the GPUs, same batch: about twice as long
+
+
+def test_the_optimistic_bound_hides_rerouted_work_in_bubbles_until_they_are_full():
+    from frenzy_prefect.recycle.iteration import bubble_filling_bound
+
+    bound = bubble_filling_bound(10.0, dp=8, pp=4, microbatches=32)  # 35 slots per worker
+    assert bound((1, 0, 0, 0)) == pytest.approx(10.0 * (32 * 8 / 7) / 35)  # 36.6 micro-batches in 35 slots
+    assert bubble_filling_bound(10.0, dp=8, pp=8, microbatches=32)((1, 0, 0, 0, 0, 0, 0, 0)) == 10.0  # 36.6 fit in 39
+    assert bound((2, 0, 0, 0)) < balanced_reroute_bound(10.0, 8)((2, 0, 0, 0))

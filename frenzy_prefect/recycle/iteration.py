@@ -4,7 +4,8 @@ the resilience simulator needs to know about the model and the hardware.
 Two fault-free sources: the project's throughput model (``predict_step``), or a step-time table
 of measured/published numbers. ReCycle's iteration time under failures (``rerouted_s``) is
 injected as a callable, so the planner's plan cache can drive the simulator; until then
-``balanced_reroute_bound`` is a pessimistic analytic stand-in, not a planner.
+``balanced_reroute_bound`` (pessimistic) and ``bubble_filling_bound`` (optimistic) are analytic
+stand-ins that bracket it -- neither is a planner.
 """
 
 from __future__ import annotations
@@ -48,6 +49,20 @@ def balanced_reroute_bound(fault_free_s: float, dp: int) -> Reroute:
 
     def rerouted_s(failures_per_stage: tuple[int, ...]) -> float:
         return fault_free_s * max(dp / (dp - f) for f in failures_per_stage)
+
+    return rerouted_s
+
+
+def bubble_filling_bound(fault_free_s: float, dp: int, pp: int, microbatches: int) -> Reroute:
+    """OPTIMISTIC BOUND, not the planner: the most loaded worker's m * dp / (dp - f_s)
+    micro-batches fill its 1F1B time slots, the m busy ones plus the pp - 1 bubbles, perfectly
+    (what decoupled backprop and the staggered optimizer aim at); beyond that the iteration
+    stretches. No schedule can beat it, so with ``balanced_reroute_bound`` it brackets the planner."""
+    slots = microbatches + pp - 1
+
+    def rerouted_s(failures_per_stage: tuple[int, ...]) -> float:
+        load = max(microbatches * dp / (dp - f) for f in failures_per_stage)
+        return fault_free_s * max(1.0, load / slots)
 
     return rerouted_s
 
