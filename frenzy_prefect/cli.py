@@ -42,6 +42,15 @@ def _guarded(fn):
         _fail(str(exc))
 
 
+def _print_metrics(title: str, rows: list[tuple[str, str]]) -> None:
+    table = Table(title=title)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for name, value in rows:
+        table.add_row(name, value)
+    Console().print(table)
+
+
 def _request(model: str, global_batch: int, seq_len: int, precision: str, optimizer: str) -> TrainingRequest:
     """The workload a command describes, validated as a training request (it names no dataset),
     so that bad values get the same one-line errors as in a flow."""
@@ -282,9 +291,6 @@ def simulate(
         if as_json:
             typer.echo(result.model_dump_json())
             return
-        table = Table(title=f"{trace.name} on {cluster.name} ({result.cluster_gpus} GPUs), policy {result.policy}")
-        table.add_column("metric")
-        table.add_column("value", justify="right")
         hours = lambda s: "-" if s is None else f"{s / 3600:.2f} h"  # noqa: E731
         rows = [
             ("jobs completed", f"{result.jobs_completed} / {result.jobs_total}"),
@@ -297,9 +303,7 @@ def simulate(
             ("GPU utilisation", f"{result.gpu_utilization:.1%}"),
             ("decision latency p50 / p99", f"{result.decision_latency_ms.p50:.3f} / {result.decision_latency_ms.p99:.3f} ms"),
         ]
-        for name, value in rows:
-            table.add_row(name, value)
-        Console().print(table)
+        _print_metrics(f"{trace.name} on {cluster.name} ({result.cluster_gpus} GPUs), policy {result.policy}", rows)
 
     _guarded(body)
 
@@ -402,9 +406,6 @@ def recycle_simulate(
         if as_json:
             typer.echo(result.model_dump_json())
             return
-        table = Table(title=f"{trace.name}: {dp} x {pp} grid, {microbatches} micro-batches, policy {result.policy}")
-        table.add_column("metric")
-        table.add_column("value", justify="right")
         rows = [
             ("throughput (window)", f"{result.throughput:.2f} samples/s"),
             ("fault-free throughput", f"{result.fault_free_throughput:.2f} samples/s"),
@@ -417,9 +418,7 @@ def recycle_simulate(
             ("stages that lost every replica", str(result.stage_wipeouts)),
             ("nodes outside the grid / spare fills", f"{result.nodes_outside_grid} / {result.spare_fills}"),
         ]
-        for name, value in rows:
-            table.add_row(name, value)
-        Console().print(table)
+        _print_metrics(f"{trace.name}: {dp} x {pp} grid, {microbatches} micro-batches, policy {result.policy}", rows)
 
     _guarded(body)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Literal
 
 from frenzy_prefect.errors import FrenzyError
-from frenzy_prefect.recycle.traces import NODE, NodeEvent
+from frenzy_prefect.recycle.traces import NODE, NodeEvent, read_fields
 
 
 @dataclass(frozen=True)
@@ -38,21 +38,9 @@ class Change:
 
 def load_mapping(path: Path, dp: int, pp: int) -> dict[str, int]:
     """Node name -> slot, from a ``nodeN,pipeline,stage`` file."""
-    path = Path(path)
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as exc:
-        raise FrenzyError(f"cannot read mapping file {path}: {exc.strerror}") from None
     homes: dict[str, int] = {}
     owner: dict[int, str] = {}
-    for number, raw in enumerate(lines, start=1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        fields = [f.strip() for f in line.split(",")]
-        where = f"{path}:{number}"
-        if len(fields) != 3:
-            raise FrenzyError(f"{where}: expected 3 fields nodeN,pipeline,stage, got {len(fields)}: {line!r}")
+    for where, fields in read_fields(path, "mapping file", "nodeN,pipeline,stage"):
         node, pipeline, stage = fields
         if not NODE.fullmatch(node):
             raise FrenzyError(f"{where}: field 1 (node): {node!r} is not a node name like node7")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -62,23 +63,30 @@ class FailureTrace(BaseModel):
         return self.events[-1].time_s if self.events else 0.0
 
 
-def load_failure_trace(path: Path) -> FailureTrace:
+def read_fields(path: Path, what: str, layout: str) -> Iterator[tuple[str, list[str]]]:
+    """("file:line", fields) of each line of a small comma-separated file with the fields of
+    ``layout`` (e.g. ``time_ms,add|remove,nodeN``); blank and ``#`` lines are skipped."""
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as exc:
-        raise FrenzyError(f"cannot read failure trace {path}: {exc.strerror}") from None
-    events: list[NodeEvent] = []
-    present: dict[str, int] = {}
-    last_ms = 0
+        raise FrenzyError(f"cannot read {what} {path}: {exc.strerror}") from None
+    count = len(layout.split(","))
     for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
         fields = [f.strip() for f in line.split(",")]
-        where = f"{path}:{number}"
-        if len(fields) != 3:
-            raise FrenzyError(f"{where}: expected 3 fields time_ms,add|remove,nodeN, got {len(fields)}: {line!r}")
+        if len(fields) != count:
+            raise FrenzyError(f"{path}:{number}: expected {count} fields {layout}, got {len(fields)}: {line!r}")
+        yield f"{path}:{number}", fields
+
+
+def load_failure_trace(path: Path) -> FailureTrace:
+    events: list[NodeEvent] = []
+    present: dict[str, str] = {}
+    last_ms = 0
+    for where, fields in read_fields(path, "failure trace", "time_ms,add|remove,nodeN"):
         time_text, kind, node = fields
         if not time_text.isdigit():
             raise FrenzyError(f"{where}: field 1 (time_ms): {time_text!r} is not a whole number of milliseconds")
@@ -90,18 +98,18 @@ def load_failure_trace(path: Path) -> FailureTrace:
         if not NODE.fullmatch(node):
             raise FrenzyError(f"{where}: field 3 (node): {node!r} is not a node name like node7 (node + a positive integer)")
         if kind == "add" and node in present:
-            raise FrenzyError(f"{where}: {node} is added but is already present (added at line {present[node]})")
+            raise FrenzyError(f"{where}: {node} is added but is already present (added at line {present[node].rsplit(':', 1)[1]})")
         if kind == "remove" and node not in present:
             raise FrenzyError(f"{where}: {node} is removed but is not present")
         if kind == "add":
-            present[node] = number
+            present[node] = where
         else:
             del present[node]
         last_ms = time_ms
         events.append(NodeEvent(time_s=time_ms / 1000, kind=kind, node=node))  # type: ignore[arg-type]
     if not events:
         raise FrenzyError(f"{path}: no events; expected lines time_ms,add|remove,nodeN")
-    return FailureTrace(name=path.stem, events=events)
+    return FailureTrace(name=Path(path).stem, events=events)
 
 
 def _sorted_trace(name: str, events: list[NodeEvent]) -> FailureTrace:
