@@ -23,7 +23,7 @@ from frenzy_prefect.units import gib
 app = typer.Typer(help="Memory-aware LLM training on heterogeneous GPU clusters.", no_args_is_help=True, pretty_exceptions_enable=False)
 cluster_app = typer.Typer(help="Cluster inventories (FrenzyCluster blocks).", no_args_is_help=True)
 app.add_typer(cluster_app, name="cluster")
-recycle_app = typer.Typer(help="ReCycle: schedules that keep data x pipeline parallel training running through failures.", no_args_is_help=True)
+recycle_app = typer.Typer(help="ReCycle: training through failures by re-routing micro-batches (simulate a trace, plan a failure case).", no_args_is_help=True)
 app.add_typer(recycle_app, name="recycle")
 
 
@@ -40,6 +40,15 @@ def _guarded(fn):
         _fail(describe_validation_error(exc))
     except FrenzyError as exc:
         _fail(str(exc))
+
+
+def _print_metrics(title: str, rows: list[tuple[str, str]]) -> None:
+    table = Table(title=title)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for name, value in rows:
+        table.add_row(name, value)
+    Console().print(table)
 
 
 def _request(model: str, global_batch: int, seq_len: int, precision: str, optimizer: str) -> TrainingRequest:
@@ -282,9 +291,6 @@ def simulate(
         if as_json:
             typer.echo(result.model_dump_json())
             return
-        table = Table(title=f"{trace.name} on {cluster.name} ({result.cluster_gpus} GPUs), policy {result.policy}")
-        table.add_column("metric")
-        table.add_column("value", justify="right")
         hours = lambda s: "-" if s is None else f"{s / 3600:.2f} h"  # noqa: E731
         rows = [
             ("jobs completed", f"{result.jobs_completed} / {result.jobs_total}"),
@@ -297,9 +303,7 @@ def simulate(
             ("GPU utilisation", f"{result.gpu_utilization:.1%}"),
             ("decision latency p50 / p99", f"{result.decision_latency_ms.p50:.3f} / {result.decision_latency_ms.p99:.3f} ms"),
         ]
-        for name, value in rows:
-            table.add_row(name, value)
-        Console().print(table)
+        _print_metrics(f"{trace.name} on {cluster.name} ({result.cluster_gpus} GPUs), policy {result.policy}", rows)
 
     _guarded(body)
 
@@ -355,6 +359,66 @@ def deploy(pool: str = typer.Option("frenzy", "--pool", help="A work pool of typ
         except ValueError as exc:
             raise FrenzyError(str(exc)) from None
         typer.echo(f"deployed train-llm/frenzy and distributed-train/frenzy to work pool {pool!r}")
+
+    _guarded(body)
+
+
+@recycle_app.command("simulate")
+def recycle_simulate(
+    trace: Path = typer.Option(..., "--trace", help="Node trace CSV: time_ms,add|remove,nodeN per line."),
+    dp: int = typer.Option(..., "--dp", min=1, help="Data-parallel pipelines."),
+    pp: int = typer.Option(..., "--pp", min=1, help="Pipeline stages."),
+    microbatches: int = typer.Option(..., "--microbatches", min=1, help="Micro-batches per pipeline per iteration."),
+    policy: str = typer.Option("recycle", "--policy", help="recycle, checkpoint_restart, drop_pipeline, oobleck, bamboo or adaptive."),
+    step_time_table: Optional[Path] = typer.Option(None, "--step-time-table", help='JSON {"alive workers": fault-free step seconds}; default: the throughput model.'),
+    samples_per_step: Optional[int] = typer.Option(None, "--samples-per-step", min=1, help="Global batch in samples; needed with --step-time-table (default dp * microbatches)."),
+    model: str = typer.Option("gpt2-xl", "--model", help="Throughput model only: preset name or HF config.json."),
+    gpu: str = typer.Option("A100-80GB", "--gpu", help="Throughput model only: a catalog GPU type."),
+    mapping: Optional[Path] = typer.Option(None, "--mapping", help="nodeN,pipeline,stage lines; default pipeline-major by node number."),
+    horizon_s: Optional[float] = typer.Option(None, "--horizon-s", help="Measured window from the first event; default: to the last event."),
+    knob: list[str] = typer.Option([], "--knob", help="Override a simulation constant, NAME=VALUE (repeatable), e.g. checkpoint_interval_s=600."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Throughput of data x pipeline parallel training through a node failure trace, under one policy."""
+    from frenzy_prefect.recycle.iteration import from_preset, from_step_time_table, load_step_time_table
+    from frenzy_prefect.recycle.knobs import Knobs
+    from frenzy_prefect.recycle.membership import load_mapping
+    from frenzy_prefect.recycle.policies import make_policy
+    from frenzy_prefect.recycle.simulator import simulate as replay
+    from frenzy_prefect.recycle.traces import load_failure_trace
+
+    def body() -> None:
+        chosen = make_policy(policy)
+        overrides = {}
+        for item in knob:
+            name, sep, value = item.partition("=")
+            if not sep or name.strip() not in Knobs.model_fields:
+                raise FrenzyError(f"--knob {item!r}: expected NAME=VALUE with NAME one of {', '.join(Knobs.model_fields)}")
+            overrides[name.strip()] = value.strip()
+        knobs = Knobs.model_validate(overrides)
+        if step_time_table is not None:
+            times = from_step_time_table(load_step_time_table(step_time_table), dp=dp, pp=pp, microbatches=microbatches)
+        else:
+            times = from_preset(model, gpu, dp=dp, pp=pp, microbatches=microbatches)
+        homes = load_mapping(mapping, dp, pp) if mapping else None
+        result = replay(times, load_failure_trace(trace), chosen, samples_per_iteration=samples_per_step or dp * microbatches,
+                        knobs=knobs, homes=homes, horizon_s=horizon_s)
+        if as_json:
+            typer.echo(result.model_dump_json())
+            return
+        rows = [
+            ("throughput (window)", f"{result.throughput:.2f} samples/s"),
+            ("fault-free throughput", f"{result.fault_free_throughput:.2f} samples/s"),
+            ("ratio to fault-free", f"{result.ratio:.1%}"),
+            ("ratio over the training span", f"{result.span_ratio:.1%}"),
+            ("window", f"{result.horizon_s / 3600:.2f} h from t={result.start_s:g} s, {result.workers_at_start} workers at start"),
+            ("recovery events", ", ".join(f"{k} {n}" for k, n in result.counts.items() if k != "start") or "none"),
+            ("downtime / stalled", f"{result.downtime_s:.0f} s / {result.stalled_s:.0f} s"),
+            ("samples lost to rollbacks", str(result.lost_samples)),
+            ("stages that lost every replica", str(result.stage_wipeouts)),
+            ("nodes outside the grid / spare fills", f"{result.nodes_outside_grid} / {result.spare_fills}"),
+        ]
+        _print_metrics(f"{trace.name}: {dp} x {pp} grid, {microbatches} micro-batches, policy {result.policy}", rows)
 
     _guarded(body)
 

@@ -8,12 +8,21 @@ in one transaction; while they are not free the run waits, first come first serv
 worker, and its log says what it waits for. The reservation's lease is renewed while the ranks
 run and released when they end, however they end. Any other flow run (the `train_llm`
 pipeline) runs as one process on the worker's machine, like Prefect's process worker.
+
+Every process a worker starts dies with it (launch.orphan_guard), and every run it takes is
+labelled with the worker's process (``frenzy.worker-process``) and its GPU lease
+(``frenzy.lease``). When a worker starts, and at each heartbeat, it reclaims the runs whose
+worker is gone (killed with -9, its machine lost): their processes are stopped, their GPUs
+released and they are marked Crashed. Without that a lease would still expire by itself a
+minute after its worker stopped renewing it, but the run would stay Running forever.
 """
 
 from __future__ import annotations
 
 import os
 import shlex
+from datetime import datetime, timedelta, timezone
+import socket
 import sys
 from pathlib import Path
 import tempfile
@@ -26,14 +35,16 @@ import anyio.abc
 from prefect import get_client
 from prefect.blocks.system import Secret
 from prefect.client.orchestration import PrefectClient
-from prefect.client.schemas.objects import FlowRun, StateType
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterEndTime, FlowRunFilterState, FlowRunFilterStateType, WorkPoolFilter, WorkPoolFilterName
+from prefect.client.schemas.objects import FlowRun, StateType, WorkerStatus
+from prefect.exceptions import InfrastructureNotAvailable
 from prefect.workers.base import BaseJobConfiguration, BaseVariables, BaseWorker, BaseWorkerResult
 from pydantic import Field
 
 from frenzy_prefect.allocator.placement import place
 from frenzy_prefect.launch.command import Launch
 from frenzy_prefect.errors import FrenzyError
-from frenzy_prefect.launch.local import ProcessGroup, start_local, stop_process_groups
+from frenzy_prefect.launch.local import ProcessGroup, host_and_pids, is_running, start_local, stop_process_groups
 from frenzy_prefect.launch.ssh import SSH_UNREACHABLE, SshSettings, start_ssh
 from frenzy_prefect.launch.torchrun import rank_launches
 from frenzy_prefect.reservations import LEASE_S, GpuReservations
@@ -44,6 +55,11 @@ JOB_PARAMETER = "job"
 RETRY_S = 2.0  # how often a waiting run looks at the reservations again
 CANCEL_POLL_S = 1.0  # how often a running run's state is checked for cancellation
 CANCEL_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this: every rank is gone within ~7 s
+WORKER_LABEL = "frenzy.worker"  # the worker's name
+PROCESS_LABEL = "frenzy.worker-process"  # HOST:PID of the worker process that took the run
+LEASE_LABEL = "frenzy.lease"  # the run's GPU reservation
+RECLAIMED_LABEL = "frenzy.reclaimed-by"  # the worker that reclaimed the run after its own was lost
+RECLAIM_WINDOW_S = 3 * LEASE_S  # a lease outlives its last renewal by at most LEASE_S plus the server's sweep
 
 
 class FrenzyJobConfiguration(BaseJobConfiguration):
@@ -129,6 +145,7 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, FrenzyVariables, FrenzyWor
         configuration: FrenzyJobConfiguration,
         task_status: Optional[anyio.abc.TaskStatus[Any]] = None,
     ) -> FrenzyWorkerResult:
+        await self.client.update_flow_run_labels(flow_run.id, {WORKER_LABEL: self.name, PROCESS_LABEL: _this_process()})
         job = training_job_of(flow_run)
         if job is None:
             result, cancelled = await self._launch(flow_run, configuration, None, task_status)
@@ -143,6 +160,7 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, FrenzyVariables, FrenzyWor
                     return FrenzyWorkerResult(status_code=0, identifier="")
                 job, lease = reserved
                 try:
+                    await client.update_flow_run_labels(flow_run.id, {LEASE_LABEL: str(lease)})
                     async with anyio.create_task_group() as renewals:
                         renewals.start_soon(self._keep, reservations, lease)
                         result, cancelled = await self._launch(flow_run, configuration, job, task_status)
@@ -240,7 +258,41 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, FrenzyVariables, FrenzyWor
     async def kill_infrastructure(
         self, infrastructure_pid: str, configuration: FrenzyJobConfiguration, grace_seconds: int = 30
     ) -> None:
-        await stop_process_groups([int(p) for p in infrastructure_pid.split(",") if p], grace_seconds)
+        host, pids = host_and_pids(infrastructure_pid)
+        if host != socket.gethostname():
+            raise InfrastructureNotAvailable(f"the run's processes were started on {host}; only a worker there can stop them")
+        await stop_process_groups(pids, grace_seconds)
+
+    async def sync_with_backend(self) -> None:
+        await super().sync_with_backend()
+        if self._work_pool is not None:
+            await self._reclaim_orphans()
+
+    async def _reclaim_orphans(self) -> None:
+        """Reclaim the runs of this pool whose worker is gone: stop what is left of their
+        processes here, release their GPUs, and crash those not yet final (a rank that got the
+        parent-death signal may have reported its run Crashed itself; its lease remains)."""
+        pool = WorkPoolFilter(name=WorkPoolFilterName(any_=[self._work_pool_name]))
+        active = FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.PENDING, StateType.RUNNING, StateType.CANCELLING])))
+        ended = FlowRunFilter(end_time=FlowRunFilterEndTime(after_=datetime.now(timezone.utc) - timedelta(seconds=RECLAIM_WINDOW_S)))
+        runs = [run for f in (active, ended) for run in await self.client.read_flow_runs(work_pool_filter=pool, flow_run_filter=f)]
+        offline = {w.name for w in await self.client.read_workers_for_work_pool(self._work_pool_name) if w.status == WorkerStatus.OFFLINE}
+        for run in {run.id: run for run in runs}.values():
+            owner = run.labels.get(PROCESS_LABEL)
+            if owner is None or owner == _this_process() or RECLAIMED_LABEL in run.labels:
+                continue
+            host, (pid,) = host_and_pids(owner)
+            if is_running(pid, group=False) if host == socket.gethostname() else run.labels.get(WORKER_LABEL) not in offline:
+                continue
+            if run.infrastructure_pid and host_and_pids(run.infrastructure_pid)[0] == socket.gethostname():
+                await stop_process_groups(host_and_pids(run.infrastructure_pid)[1], CANCEL_GRACE_S)
+            if LEASE_LABEL in run.labels:
+                await self.client.release_concurrency_slots_with_lease(UUID(run.labels[LEASE_LABEL]))  # a no-op once expired
+            await self.client.update_flow_run_labels(run.id, {RECLAIMED_LABEL: self.name})
+            message = f"its frenzy worker {run.labels.get(WORKER_LABEL)!r} ({owner}) is gone; {self.name!r} stopped its processes and released its GPUs"
+            self.get_flow_run_logger(run).warning(f"Reclaimed: {message}")
+            if run.state is not None and not run.state.is_final():
+                await self._propose_crashed_state(run, f"Crashed: {message}")
 
 
 async def _cancelling(client: PrefectClient, flow_run_id: UUID) -> bool:
@@ -276,6 +328,10 @@ async def _ssh_settings(configuration: FrenzyJobConfiguration, keys: Path) -> Ss
         known_hosts=configuration.ssh_known_hosts,
         python=configuration.node_python or sys.executable,
     )
+
+
+def _this_process() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
 
 
 def _gpus(job: TrainingJob) -> str:

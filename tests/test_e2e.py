@@ -1,7 +1,10 @@
-"""`train_llm` end to end: a real Prefect server (SQLite), a `frenzy` pool created with the CLI
-and its worker process, moto's S3 server, and multi-process gloo training. Three runs go in at
-once: one that trains, one no GPU can hold, one whose dataset does not exist, one naming a
-cluster that was never saved."""
+"""End to end on real parts: a Prefect server (SQLite), a `frenzy` pool created with the CLI and
+two worker processes, moto's S3 server, and multi-process gloo training.
+
+- `train_llm`: four runs at once: one that trains, one no GPU can hold, one whose dataset does
+  not exist, one naming a cluster that was never saved.
+- The pool under stress: a worker killed with -9 mid-run and restarted; twenty training runs at
+  once on four GPUs through two workers; a cancellation."""
 
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from prefect.client.schemas.filters import (
 from prefect.client.schemas.objects import FlowRun
 
 from frenzy_prefect.flows import default_output
-from frenzy_prefect.launch.local import is_running
+from frenzy_prefect.launch.local import host_and_pids, is_running
 from frenzy_prefect.reservations import GpuReservations
 from frenzy_prefect.spec.cluster import ClusterSpec
 from frenzy_prefect.spec.result import TrainingReport
@@ -145,57 +148,130 @@ def test_reports_are_json_a_pipeline_can_read(runs, dataset):
     assert {"model", "parameters", "allocation", "result", "training_flow_run"} <= set(data)
 
 
-CROWD = 3
+CROWD = 20
+
+
+def training_job(dataset: str, *, gpus: int, gpu_type: str, steps: int, output: str) -> dict:
+    """A `distributed-train` job parameter, as `train_llm` would submit it: ``gpus`` GPUs of
+    ``gpu_type`` (placed on the idle cluster; the worker re-places it at dispatch)."""
+    from frenzy_prefect import allocator
+    from frenzy_prefect.profiling.dataset import profile_dataset
+    from frenzy_prefect.profiling.model import resolve_model
+    from frenzy_prefect.spec.cluster import ClusterState
+    from frenzy_prefect.spec.plan import TrainingJob
+    from frenzy_prefect.spec.request import TrainingRequest
+
+    cluster = ClusterSpec.from_file(EXAMPLE_CLUSTER)
+    request = TrainingRequest(**(GOOD | {"dataset": dataset, "global_batch": 8, "steps": steps, "log_every": 1}))
+    model = resolve_model(request.model, seq_len=request.seq_len)
+    fitting = [c for c in allocator.candidate_plans(model, request, cluster) if c.fits and c.plan.gpus == gpus and c.gpu_type == gpu_type]
+    job = TrainingJob(
+        request=request,
+        model=model,
+        dataset=profile_dataset(dataset, request.seq_len, model.vocab_size),
+        allocation=allocator.allocate(fitting, ClusterState.idle(cluster)),
+        cluster=cluster,
+        output=output,
+    )
+    return {"job": job.model_dump(mode="json")}
+
+
+def free_now(stack) -> dict[str, list[int]]:
+    async def read() -> dict[str, list[int]]:
+        async with get_client() as client:
+            return (await GpuReservations(client, ClusterSpec.from_file(EXAMPLE_CLUSTER)).state()).free_gpus
+
+    with stack.client_settings():
+        return asyncio.run(read())
 
 
 @pytest.fixture(scope="module")
-def crowd(stack, worker_pool, dataset, runs) -> list[FlowRun]:
-    """Three more runs at once, after the first four: more than the example cluster's four GPUs
-    can hold together (each trains on two)."""
+def second_worker(stack, worker_pool) -> str:
+    """A second worker process on the same pool: the two share the GPU reservations."""
+    stack.start_worker(worker_pool, name="frenzy-worker-2")
+    return "frenzy-worker-2"
+
+
+def test_a_worker_killed_with_9_leaves_no_rank_running_and_its_restart_reclaims_the_gpus(stack, worker_pool, dataset, second_worker, runs):
     with stack.client_settings():
         from prefect.deployments import run_deployment
 
-        request = GOOD | {"dataset": dataset, "steps": 40}  # long enough that they overlap
-        ids = [run_deployment("train-llm/frenzy", parameters={"request": request, "cluster": "local-hetero"}, timeout=0).id for _ in range(CROWD)]
-        return [wait_final(run_id) for run_id in ids]
+        parameters = training_job(dataset, gpus=2, gpu_type="A10", steps=100_000, output=f"s3://{BUCKET}/runs/killed")
+        run_id = run_deployment("distributed-train/frenzy", parameters=parameters, timeout=0).id
+        deadline = time.monotonic() + 180
+        with get_client(sync_client=True) as client:
+            while not any(log.message.startswith("step ") for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))):
+                assert time.monotonic() < deadline, "the training run never started stepping"
+                time.sleep(1)
+            run = client.read_flow_run(run_id)
+            owner = run.labels["frenzy.worker"]
+            _, ranks = host_and_pids(run.infrastructure_pid)
+            stack.processes[owner].kill()  # SIGKILL: no cleanup of any kind
+            stack.processes[owner].wait()
+            killed = time.monotonic()
+            while any(is_running(p) for p in ranks):
+                assert time.monotonic() - killed < 10, "ranks still running 10 s after their worker was killed"
+                time.sleep(0.2)
+            stack.start_worker(worker_pool, name=owner)  # the restart
+            while "frenzy.reclaimed-by" not in (run := client.read_flow_run(run_id)).labels:
+                assert time.monotonic() - killed < 60, run.labels
+                time.sleep(0.5)
+            while not (reclaimed := [log.message for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id]))) if log.message.startswith("Reclaimed: ")]):
+                assert time.monotonic() - killed < 90, "no Reclaimed log line"  # logs reach the server in batches
+                time.sleep(1)
+    # Rank 0 got the parent-death signal through torchrun and reported the run Crashed itself.
+    assert run.state.is_crashed(), run.state
+    assert f"its frenzy worker {owner!r}" in reclaimed[0] and "released its GPUs" in reclaimed[0]
+    assert free_now(stack) == {"a10-node": [0, 1], "t4-node": [0, 1]}  # reclaimed, not left to expire
 
 
-def test_runs_that_oversubscribe_the_gpus_all_complete_and_never_share_one(stack, crowd):
+@pytest.fixture(scope="module")
+def crowd(stack, worker_pool, dataset, second_worker) -> list[FlowRun]:
+    """Twenty training runs at once on the example cluster's four GPUs (two A10s, two T4s),
+    served by two worker processes: one and two GPUs each, 28 GPUs wanted in all."""
+    shapes = [(1, "A10"), (2, "A10"), (1, "T4"), (2, "T4"), (1, "A10")]
+    with stack.client_settings():
+        from prefect.deployments import run_deployment
+
+        jobs = {shape: training_job(dataset, gpus=shape[0], gpu_type=shape[1], steps=3, output="") for shape in shapes}
+        ids = []
+        for k in range(CROWD):
+            parameters = jobs[shapes[k % len(shapes)]]
+            parameters = {"job": parameters["job"] | {"output": f"s3://{BUCKET}/runs/crowd-{k}"}}
+            ids.append(run_deployment("distributed-train/frenzy", parameters=parameters, timeout=0).id)
+        return [wait_final(run_id, timeout_s=900) for run_id in ids]
+
+
+def test_runs_that_oversubscribe_the_gpus_all_complete_and_never_share_one(stack, crowd, second_worker):
     assert all(run.state.is_completed() for run in crowd), [run.state.message for run in crowd]
-    trainings = [child for run in crowd for child in children(stack, run)]
-    assert len(trainings) == CROWD
+    served_by = {run.labels["frenzy.worker"] for run in crowd}
+    assert served_by == {"frenzy-worker", second_worker}, f"both workers should have taken runs: {served_by}"
     # The worker releases a run's GPUs after its processes exit, which can be just after the
     # run is marked complete; its logs reach the server in batches.
     deadline = time.monotonic() + 60
     with stack.client_settings(), get_client(sync_client=True) as client:
         while True:
-            logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[t.id for t in trainings])))
+            logs = [log for run in crowd for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))]
             if sum(log.message.startswith("Releasing GPUs ") for log in logs) == CROWD or time.monotonic() > deadline:
                 break
             time.sleep(1)
-    # The record: each training run logs the GPUs it reserved (after taking them) and is
-    # releasing (before letting them go), so its logged span lies inside its real hold.
+    # The record: each run logs the GPUs it reserved (after taking them) and is releasing
+    # (before letting them go), so its logged span lies inside its real hold.
     spans: dict[tuple[str, int], list[tuple[float, float]]] = {}
-    for training in trainings:
-        mine = sorted((log for log in logs if log.flow_run_id == training.id), key=lambda log: log.timestamp)
+    for run in crowd:
+        mine = sorted((log for log in logs if log.flow_run_id == run.id), key=lambda log: log.timestamp)
         (reserved,) = [log for log in mine if log.message.startswith("Reserved GPUs ")]
         (releasing,) = [log for log in mine if log.message.startswith("Releasing GPUs ")]
         for node, indices in re.findall(r"([\w.-]+)\[([\d, ]+)\]", reserved.message):
             for i in indices.split(", "):
                 spans.setdefault((node, int(i)), []).append((reserved.timestamp.timestamp(), releasing.timestamp.timestamp()))
-    assert sum(len(s) for s in spans.values()) == 2 * CROWD
+    assert sum(len(s) for s in spans.values()) == 28
     for gpu, held in spans.items():
         held.sort()
         assert all(a_end <= b_start for (_, a_end), (b_start, _) in pairwise(held)), f"GPU {gpu} was held by two runs at once: {held}"
     waited = [log.message for log in logs if log.message.startswith("waiting for ")]
-    assert waited, "three runs of two GPUs each on four GPUs: some run must have waited"
-
-    async def free_now() -> dict[str, list[int]]:
-        async with get_client() as client:
-            return (await GpuReservations(client, ClusterSpec.from_file(EXAMPLE_CLUSTER)).state()).free_gpus
-
-    with stack.client_settings():
-        assert asyncio.run(free_now()) == {"a10-node": [0, 1], "t4-node": [0, 1]}  # nothing leaked
+    assert waited, "28 GPUs wanted of four: some run must have waited"
+    assert free_now(stack) == {"a10-node": [0, 1], "t4-node": [0, 1]}  # nothing leaked
 
 
 def test_cancelling_a_running_training_run_stops_its_ranks_and_frees_its_gpus(stack, worker_pool, dataset, crowd):
@@ -216,7 +292,7 @@ def test_cancelling_a_running_training_run_stops_its_ranks_and_frees_its_gpus(st
                 assert time.monotonic() < deadline, "the training run never started stepping"
                 time.sleep(1)
             (training,) = kids
-            pids = [int(p) for p in client.read_flow_run(training.id).infrastructure_pid.split(",")]
+            _, pids = host_and_pids(client.read_flow_run(training.id).infrastructure_pid)
             asked = time.monotonic()
             client.set_flow_run_state(training.id, Cancelling(message="cancelled by the test"), force=True)
             while any(is_running(p) for p in pids):
@@ -227,9 +303,4 @@ def test_cancelling_a_running_training_run_stops_its_ranks_and_frees_its_gpus(st
                 time.sleep(0.5)
         assert wait_final(parent.id).state.is_failed()  # its train task saw the training run cancelled
 
-    async def free_now() -> dict[str, list[int]]:
-        async with get_client() as client:
-            return (await GpuReservations(client, ClusterSpec.from_file(EXAMPLE_CLUSTER)).state()).free_gpus
-
-    with stack.client_settings():
-        assert asyncio.run(free_now()) == {"a10-node": [0, 1], "t4-node": [0, 1]}
+    assert free_now(stack) == {"a10-node": [0, 1], "t4-node": [0, 1]}

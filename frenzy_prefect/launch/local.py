@@ -10,6 +10,7 @@ import asyncio
 import os
 import signal
 import socket
+import sys
 from pathlib import Path
 
 from frenzy_prefect.errors import FrenzyError
@@ -20,10 +21,11 @@ def is_local(host: str) -> bool:
     return host in {"127.0.0.1", "localhost", "::1", socket.gethostname(), socket.getfqdn()}
 
 
-def is_running(pid: int) -> bool:
-    """Whether any process of the group ``pid`` leads is still alive."""
+def is_running(pid: int, group: bool = True) -> bool:
+    """Whether any process of the group ``pid`` leads (``group=False``: the process ``pid``) is
+    still alive."""
     try:
-        os.killpg(pid, 0)
+        (os.killpg if group else os.kill)(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
@@ -49,6 +51,19 @@ async def stop_process_groups(pids: list[int], grace_s: float) -> None:
         _signal(pid, signal.SIGKILL)
 
 
+async def spawn(argv: list[str], **kwargs) -> asyncio.subprocess.Process:
+    """``argv`` in its own session (one signal reaches it and its children), guarded so that it
+    dies with this process (see orphan_guard)."""
+    guard = [sys.executable, "-m", "frenzy_prefect.launch.orphan_guard", str(os.getpid())]
+    return await asyncio.create_subprocess_exec(*guard, *argv, start_new_session=True, **kwargs)
+
+
+def host_and_pids(identifier: str) -> tuple[str, list[int]]:
+    """The host and PIDs of a ProcessGroup.identifier."""
+    host, _, pids = identifier.rpartition(":")
+    return host, [int(p) for p in pids.split(",") if p]
+
+
 class ProcessGroup:
     """The running commands of one job."""
 
@@ -63,7 +78,8 @@ class ProcessGroup:
 
     @property
     def identifier(self) -> str:
-        return ",".join(str(p) for p in self.pids)
+        """``HOST:PID,PID...`` (the PIDs are of processes on this machine, ssh clients included)."""
+        return f"{socket.gethostname()}:{','.join(str(p) for p in self.pids)}"
 
     async def wait(self, grace_s: float = 10.0) -> int:
         """Wait for every command; on the first failure stop the rest. The first non-zero exit code, or 0."""
@@ -92,9 +108,7 @@ async def start_local(launches: list[Launch], cwd: Path | None = None) -> Proces
     try:
         for launch in launches:
             env = {"OMP_NUM_THREADS": str(threads), **launch.env}
-            processes.append(
-                await asyncio.create_subprocess_exec(*launch.argv, env=env, cwd=cwd, start_new_session=True)
-            )
+            processes.append(await spawn(launch.argv, env=env, cwd=cwd))
     except BaseException:
         await stop_process_groups([p.pid for p in processes], grace_s=5)
         raise

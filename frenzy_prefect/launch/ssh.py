@@ -17,7 +17,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 from frenzy_prefect.launch.command import Launch
-from frenzy_prefect.launch.local import ProcessGroup, stop_process_groups
+from frenzy_prefect.launch.local import ProcessGroup, spawn, stop_process_groups
 
 SSH_UNREACHABLE = 255  # ssh's own exit code: connection, authentication or host key failure
 # Per-host variables of the worker's own shell that mean nothing on another host.
@@ -54,7 +54,7 @@ async def start_ssh(launches: list[Launch], settings: SshSettings, cwd: Path | N
     processes: list[asyncio.subprocess.Process] = []
     try:
         for launch in launches:
-            proc = await asyncio.create_subprocess_exec(*ssh_argv(launch.host, settings), stdin=asyncio.subprocess.PIPE, start_new_session=True)
+            proc = await spawn(ssh_argv(launch.host, settings), stdin=asyncio.subprocess.PIPE)
             env = {k: v for k, v in launch.env.items() if k not in _HOST_LOCAL}
             assert proc.stdin is not None
             proc.stdin.write(json.dumps({"argv": launch.argv, "env": env, "cwd": str(cwd) if cwd else None}).encode() + b"\n")

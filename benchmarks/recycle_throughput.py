@@ -1,0 +1,117 @@
+"""Throughput of data x pipeline parallel training through node failures, every resilience policy,
+relative to fault-free: D x S = 4 x 8 and 8 x 4 with 32 micro-batches per pipeline, gpt2-xl on
+A100-80GB (the throughput model), under the two shared spot-instance traces (p3, g4dn) and
+synthetic traces of 32 workers: transient (per-node MTBF 1 h, repair 15 min) and shrink-only
+(per-node MTBF 24 h, nodes never return), 12 h each, averaged over seeds.
+
+ReCycle's iteration time under failures comes from an analytic stand-in until the planner is
+wired (``--reroute``): ``pessimistic`` (balanced_reroute_bound, the default) or ``optimistic``
+(bubble_filling_bound); ``recycle`` and ``adaptive`` are also run with the other one, as
+``recycle/opt`` (or ``/pess``) rows, so the planner's result lies between. Swap in the planner
+by changing ``reroute_for``.
+
+    python -m benchmarks.recycle_throughput [--seeds 3] [--reroute pessimistic|optimistic] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+from benchmarks import write_result
+from frenzy_prefect.recycle.iteration import DEFAULT_GPU, DEFAULT_MODEL, balanced_reroute_bound, bubble_filling_bound, from_preset
+from frenzy_prefect.recycle.knobs import Knobs
+from frenzy_prefect.recycle.policies import POLICIES, make_policy
+from frenzy_prefect.recycle.simulator import simulate
+from frenzy_prefect.recycle.traces import FailureTrace, load_failure_trace, shrink_trace, transient_trace
+from frenzy_prefect.simulation.inputs import shared_traces
+
+GRIDS = [(4, 8), (8, 4)]
+MICROBATCHES = 32
+HORIZON_S = 12 * 3600
+
+
+def reroute_for(kind: str, dp: int, pp: int):
+    """The one line to change at integration: return the planner's lookup instead."""
+    fault_free = from_preset(DEFAULT_MODEL, DEFAULT_GPU, dp=dp, pp=pp, microbatches=MICROBATCHES).fault_free_s(dp, pp)
+    if kind == "pessimistic":
+        return balanced_reroute_bound(fault_free, dp)
+    return bubble_filling_bound(fault_free, dp, pp, MICROBATCHES)
+
+
+def traces(seeds: int) -> dict[str, list[FailureTrace]]:
+    spot = shared_traces() / "failures"
+    out = {name: [load_failure_trace(spot / f"{name}-trace.csv")] for name in ("p3", "g4dn") if (spot / f"{name}-trace.csv").exists()}
+    out["transient"] = [transient_trace(32, mtbf_s=3600, repair_s=900, horizon_s=HORIZON_S, seed=s) for s in range(seeds)]
+    out["shrink"] = [shrink_trace(32, mtbf_s=24 * 3600, horizon_s=HORIZON_S, seed=s) for s in range(seeds)]
+    return out
+
+
+def one(dp: int, pp: int, trace_name: str, runs: list[FailureTrace], policy: str, reroute: str) -> dict:
+    model = from_preset(DEFAULT_MODEL, DEFAULT_GPU, dp=dp, pp=pp, microbatches=MICROBATCHES, reroute=reroute_for(reroute, dp, pp))
+    results = []
+    for trace in runs:
+        horizon = None if trace_name in ("p3", "g4dn") else HORIZON_S
+        results.append(simulate(model, trace, make_policy(policy), samples_per_iteration=dp * MICROBATCHES, knobs=Knobs(), horizon_s=horizon))
+    counts: dict[str, float] = {}
+    for r in results:
+        for kind, n in r.counts.items():
+            if kind != "start":
+                counts[kind] = counts.get(kind, 0) + n / len(results)
+    return {
+        "grid": f"{dp}x{pp}", "trace": trace_name, "policy": policy, "reroute": reroute, "runs": len(results),
+        "ratio": statistics.mean(r.ratio for r in results),
+        "throughput": statistics.mean(r.throughput for r in results),
+        "fault_free_throughput": results[0].fault_free_throughput,
+        "downtime_s": statistics.mean(r.downtime_s for r in results),
+        "stalled_s": statistics.mean(r.stalled_s for r in results),
+        "lost_samples": statistics.mean(r.lost_samples for r in results),
+        "stage_wipeouts": statistics.mean(r.stage_wipeouts for r in results),
+        "events": {k: round(v, 1) for k, v in counts.items()},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--reroute", choices=["pessimistic", "optimistic"], default="pessimistic")
+    parser.add_argument("--json", type=Path, default=Path("benchmarks/results/recycle_throughput.json"))
+    args = parser.parse_args()
+    other = "optimistic" if args.reroute == "pessimistic" else "pessimistic"
+
+    rows = []
+    for name, runs in traces(args.seeds).items():
+        for dp, pp in GRIDS:
+            for policy in POLICIES:
+                rows.append(one(dp, pp, name, runs, policy, args.reroute))
+            for policy in ("recycle", "adaptive"):
+                rows.append(one(dp, pp, name, runs, policy, other))
+    print(f"{'grid':<6}{'trace':<11}{'policy':<24}{'ratio':>7}{'samples/s':>11}{'downtime h':>11}{'stalled h':>10}{'wipeouts':>9}  events")
+    for r in rows:
+        label = r["policy"] + ("" if r["reroute"] == args.reroute else f" ({r['reroute'][:4]})")
+        events = ", ".join(f"{k} {v:g}" for k, v in r["events"].items())
+        print(f"{r['grid']:<6}{r['trace']:<11}{label:<24}{r['ratio']:>7.3f}{r['throughput']:>11.1f}{r['downtime_s'] / 3600:>11.2f}{r['stalled_s'] / 3600:>10.2f}{r['stage_wipeouts']:>9.1f}  {events}")
+
+    ratio = {(r["grid"], r["trace"], r["policy"], r["reroute"]): r["ratio"] for r in rows}
+    targets = []
+    for grid in (f"{dp}x{pp}" for dp, pp in GRIDS):
+        for reroute in (args.reroute, other):
+            recycle = ratio[(grid, "transient", "recycle", reroute)]
+            targets.append({"grid": grid, "reroute": reroute, "target": "recycle >= 1.3x drop_pipeline (transient)",
+                            "value": recycle / ratio[(grid, "transient", "drop_pipeline", args.reroute)], "threshold": 1.3})
+            targets.append({"grid": grid, "reroute": reroute, "target": "recycle >= 1.1x oobleck (transient)",
+                            "value": recycle / ratio[(grid, "transient", "oobleck", args.reroute)], "threshold": 1.1})
+            targets.append({"grid": grid, "reroute": reroute, "target": "adaptive >= oobleck (shrink)",
+                            "value": ratio[(grid, "shrink", "adaptive", reroute)] / ratio[(grid, "shrink", "oobleck", args.reroute)], "threshold": 1.0})
+    print()
+    for t in targets:
+        verdict = "met" if t["value"] >= t["threshold"] - 1e-9 else "NOT met"
+        print(f"{t['grid']:<6}{t['reroute']:<13}{t['target']:<45}{t['value']:>6.2f}x  {verdict}")
+        t["met"] = verdict == "met"
+    write_result({"model": DEFAULT_MODEL, "gpu": DEFAULT_GPU, "microbatches": MICROBATCHES, "horizon_s_synthetic": HORIZON_S,
+                  "seeds": args.seeds, "reroute": args.reroute, "knobs": Knobs().model_dump(), "rows": rows, "targets": targets}, args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""How long one training iteration takes on a grid, with and without failures: the only thing
+the resilience simulator needs to know about the model and the hardware.
+
+Two fault-free sources: the project's throughput model (``predict_step``), or a step-time table
+of measured/published numbers. ReCycle's iteration time under failures (``rerouted_s``) is
+injected as a callable, so the planner's plan cache can drive the simulator; until then
+``balanced_reroute_bound`` (pessimistic) and ``bubble_filling_bound`` (optimistic) are analytic
+stand-ins that bracket it -- neither is a planner.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from frenzy_prefect.errors import FrenzyError
+from frenzy_prefect.spec.cluster import GpuType
+from frenzy_prefect.spec.model import ModelSpec
+
+Reroute = Callable[[tuple[int, ...]], float]
+FaultFree = Callable[[int, int], float]
+
+
+class IterationModel(Protocol):
+    """One iteration always processes the full global batch (``samples_per_iteration``)."""
+
+    dp: int
+    pp: int
+    microbatches: int
+
+    def fault_free_s(self, dp: int, pp: int) -> float:
+        """One iteration of the full global batch on a dp x pp grid (layers re-partitioned over pp stages)."""
+        ...
+
+    def rerouted_s(self, failures_per_stage: tuple[int, ...]) -> float:
+        """ReCycle's iteration time on the original grid with these failures per stage."""
+        ...
+
+
+def balanced_reroute_bound(fault_free_s: float, dp: int) -> Reroute:
+    """PESSIMISTIC BOUND, not the planner: the stage with the fewest live replicas does all of its
+    stage's micro-batches on dp - f_s workers, so the iteration stretches by max_s dp / (dp - f_s).
+    No re-routed work is absorbed in bubbles (ReCycle's decoupled backprop and staggered
+    optimizer are ignored), so the real planner's schedules can only be faster."""
+
+    def rerouted_s(failures_per_stage: tuple[int, ...]) -> float:
+        return fault_free_s * max(dp / (dp - f) for f in failures_per_stage)
+
+    return rerouted_s
+
+
+def bubble_filling_bound(fault_free_s: float, dp: int, pp: int, microbatches: int) -> Reroute:
+    """OPTIMISTIC BOUND, not the planner: the most loaded worker's m * dp / (dp - f_s)
+    micro-batches fill its 1F1B time slots, the m busy ones plus the pp - 1 bubbles, perfectly
+    (what decoupled backprop and the staggered optimizer aim at); beyond that the iteration
+    stretches. No schedule can beat it, so with ``balanced_reroute_bound`` it brackets the planner."""
+    slots = microbatches + pp - 1
+
+    def rerouted_s(failures_per_stage: tuple[int, ...]) -> float:
+        load = max(microbatches * dp / (dp - f) for f in failures_per_stage)
+        return fault_free_s * max(1.0, load / slots)
+
+    return rerouted_s
+
+
+@dataclass(frozen=True)
+class IterationTimes:
+    """An IterationModel from two callables. ``reroute`` defaults to ``balanced_reroute_bound``;
+    pass the planner's cache lookup (``lambda f: cache.plan(f).iteration_s``) to use real plans."""
+
+    dp: int
+    pp: int
+    microbatches: int
+    fault_free: FaultFree
+    reroute: Reroute | None = None
+
+    def fault_free_s(self, dp: int, pp: int) -> float:
+        return self.fault_free(dp, pp)
+
+    def rerouted_s(self, failures_per_stage: tuple[int, ...]) -> float:
+        if len(failures_per_stage) != self.pp:
+            raise FrenzyError(f"failures per stage must have {self.pp} entries (one per stage), got {len(failures_per_stage)}")
+        if any(f < 0 or f >= self.dp for f in failures_per_stage):
+            raise FrenzyError(
+                f"failures per stage {failures_per_stage}: each must be in 0..{self.dp - 1}; a stage with no live replica cannot be re-routed around"
+            )
+        if not any(failures_per_stage):
+            return self.fault_free_s(self.dp, self.pp)
+        reroute = self.reroute or balanced_reroute_bound(self.fault_free_s(self.dp, self.pp), self.dp)
+        return reroute(failures_per_stage)
+
+
+def from_throughput_model(
+    model: ModelSpec,
+    gpu: GpuType,
+    *,
+    dp: int,
+    pp: int,
+    microbatches: int,
+    micro_batch: int = 1,
+    seq_len: int | None = None,
+    precision: str = "bf16",
+    reroute: Reroute | None = None,
+) -> IterationTimes:
+    """Fault-free times from ``predict_step``. The global batch (dp * microbatches * micro_batch)
+    stays fixed when a grid shrinks: fewer pipelines accumulate more micro-batches; when it does
+    not divide, the step is predicted for the next larger batch and scaled back."""
+    from frenzy_prefect.allocator.step_time import predict_step
+    from frenzy_prefect.spec.plan import ParallelPlan
+
+    global_batch = dp * microbatches * micro_batch
+    seq = seq_len or model.max_seq_len
+
+    def fault_free(d: int, p: int) -> float:
+        accumulation = math.ceil(global_batch / (d * micro_batch))
+        padded = accumulation * d * micro_batch
+        plan = ParallelPlan(dp=d, pp=p, micro_batch=micro_batch)
+        step = predict_step(model, plan, global_batch=padded, seq_len=seq, precision=precision, gpu=gpu)  # type: ignore[arg-type]
+        return step.seconds * global_batch / padded
+
+    return IterationTimes(dp, pp, microbatches, fault_free, reroute)
+
+
+@dataclass(frozen=True)
+class StepTimeTable:
+    """Fault-free step seconds by number of alive workers, e.g. a system's published throughput.
+
+    File format (JSON): ``{"32": 1.20, "24": 1.71, "16": 2.55}`` -- keys are worker counts
+    (positive integers), values the seconds of one step of the same global batch. For a count
+    between two entries, throughput (1/step) is interpolated linearly; below the smallest entry
+    throughput scales in proportion to the workers (per-worker throughput held); above the
+    largest entry the largest entry's time is used (extra workers beyond the table add nothing).
+    The grid (dp * pp) shape does not matter, only its worker count."""
+
+    seconds: dict[int, float]
+
+    def step_s(self, workers: int) -> float:
+        if workers <= 0:
+            raise FrenzyError(f"a step needs at least one worker, got {workers}")
+        counts = sorted(self.seconds)
+        if workers in self.seconds:
+            return self.seconds[workers]
+        if workers < counts[0]:
+            return self.seconds[counts[0]] * counts[0] / workers
+        if workers > counts[-1]:
+            return self.seconds[counts[-1]]
+        upper = next(c for c in counts if c > workers)
+        lower = max(c for c in counts if c < workers)
+        weight = (workers - lower) / (upper - lower)
+        rate = (1 - weight) / self.seconds[lower] + weight / self.seconds[upper]
+        return 1 / rate
+
+
+def load_step_time_table(path: Path) -> StepTimeTable:
+    try:
+        raw = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise FrenzyError(f"cannot read step-time table {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise FrenzyError(f"{path}:{exc.lineno}:{exc.colno}: not JSON ({exc.msg}); expected {{\"alive workers\": step seconds, ...}}") from None
+    if not isinstance(raw, dict) or not raw:
+        raise FrenzyError(f"{path}: expected a non-empty JSON object {{\"alive workers\": step seconds, ...}}, e.g. {{\"32\": 1.2, \"16\": 2.3}}")
+    seconds: dict[int, float] = {}
+    for key, value in raw.items():
+        if not str(key).isdigit() or int(key) <= 0:
+            raise FrenzyError(f"{path}: key {key!r} is not a positive whole number of workers")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise FrenzyError(f"{path}: workers {key}: step time {value!r} is not a positive number of seconds")
+        seconds[int(key)] = float(value)
+    return StepTimeTable(seconds)
+
+
+def from_step_time_table(table: StepTimeTable, *, dp: int, pp: int, microbatches: int, reroute: Reroute | None = None) -> IterationTimes:
+    return IterationTimes(dp, pp, microbatches, lambda d, p: table.step_s(d * p), reroute)
+
+
+DEFAULT_MODEL = "gpt2-xl"  # 1.5B parameters, 48 layers: splits evenly over 2, 4, 8 or 16 stages
+DEFAULT_GPU = "A100-80GB"  # the usual part in the papers' clusters (ReCycle and Oobleck used A100s)
+
+
+def from_preset(model: str, gpu: str, *, dp: int, pp: int, microbatches: int, reroute: Reroute | None = None) -> IterationTimes:
+    """``from_throughput_model`` by names: a preset or HF config.json path, and a catalog GPU type."""
+    from frenzy_prefect.profiling.model import resolve_model
+    from frenzy_prefect.spec.catalog import GPU_CATALOG
+
+    if gpu not in GPU_CATALOG:
+        raise FrenzyError(f"unknown GPU type {gpu!r}; known: {', '.join(GPU_CATALOG)}")
+    spec = resolve_model(model)
+    if pp > spec.layers:
+        raise FrenzyError(f"--pp {pp} is more stages than {spec.name} has layers ({spec.layers})")
+    return from_throughput_model(spec, GPU_CATALOG[gpu], dp=dp, pp=pp, microbatches=microbatches, reroute=reroute)

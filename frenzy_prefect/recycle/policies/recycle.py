@@ -1,0 +1,61 @@
+"""ReCycle: a failed worker's micro-batches go to its stage's live peers in other pipelines
+(iteration time from ``IterationModel.rerouted_s``, the planner's plans once wired); a node that
+takes a slot copies its stage's state from a live peer and then takes its micro-batches back.
+
+When a stage loses every replica re-routing cannot help: restart from the last checkpoint. After
+the restart every occupied slot loads its stage, so if every stage still has a worker the job
+stays on the original grid and re-routes around the vacant slots; otherwise it re-forms the
+fastest homogeneous grid the nodes allow (layers re-partitioned over fewer stages or pipelines)
+and returns to the original grid, at a reconfiguration's cost, once every stage has a worker again.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from frenzy_prefect.recycle.policies.base import Decision, Layout, View, from_layout, grid_label, reform, reroutable
+
+
+class ReCycle:
+    name: ClassVar[str] = "recycle"
+
+    def __init__(self) -> None:
+        self.layout: Layout | None = None  # None: on the original grid
+
+    def react(self, view: View) -> Decision | None:
+        if not view.slot_changes:
+            return None
+        m, knobs = view.membership, view.knobs
+        grid = grid_label(view.model.dp, view.model.pp)
+        if self.layout is not None:
+            if not self.layout.uses(view.lost) and not [c for c in view.slot_changes if c.kind == "filled"]:
+                return None
+            if self.layout.layers_lost(view.lost):
+                return self._restart(view, "a stage of the re-formed grid lost every replica")
+            if min(m.live_per_stage()) > 0:
+                self.layout = None
+                f = m.failures_per_stage()
+                return Decision("reconfigure", view.model.rerouted_s(f), grid, pause_s=knobs.reconfigure_s,
+                                keep_in_flight=False, restore_state=True, note=f"back to the original grid, failures per stage {f}")
+            self.layout = reform(view, heterogeneous=False)
+            return from_layout("reconfigure", self.layout, pause_s=knobs.reconfigure_s, rollback=False, note="re-formed grid follows the nodes")
+        lost = m.lost_stages()
+        if lost:
+            return self._restart(view, f"stage(s) {lost} lost every replica")
+        iteration_s = reroutable(view)
+        assert iteration_s is not None
+        f = m.failures_per_stage()
+        if view.lost:
+            return Decision("reroute", iteration_s, grid, pause_s=knobs.detection_s, note=f"failures per stage {f}")
+        return Decision("rejoin", iteration_s, grid, delay_s=knobs.state_copy_s, note=f"failures per stage {f}")
+
+    def _restart(self, view: View, why: str) -> Decision:
+        m = view.membership
+        if min(m.live_per_stage()) > 0:
+            self.layout = None
+            f = m.failures_per_stage()
+            return Decision("checkpoint-restart", view.model.rerouted_s(f), grid_label(view.model.dp, view.model.pp),
+                            pause_s=view.knobs.restart_s, keep_in_flight=False, rollback=True, restore_state=True,
+                            note=f"{why}; original grid, failures per stage {f}")
+        self.layout = reform(view, heterogeneous=False)
+        return from_layout("checkpoint-restart", self.layout, pause_s=view.knobs.restart_s, rollback=True, note=f"{why}; re-formed grid")
