@@ -193,3 +193,17 @@ def test_branch_and_bound_runs_in_a_child_that_is_killed_when_time_is_up():
     solved = killable_milp.solve(*args, kill_after_s=60)
     assert solved["status"] == 0 and sum(solved["x"]) == pytest.approx(1)
     assert killable_milp.solve(*args, kill_after_s=0.001) is None
+
+
+def test_the_plan_cache_drives_the_simulators_iteration_model():
+    from frenzy_prefect.recycle.iteration import IterationTimes, StepTimeTable, balanced_reroute_bound, bubble_filling_bound, from_step_time_table
+
+    dp, pp, m = 2, 4, 8
+    table = from_step_time_table(StepTimeTable({dp * pp: 1.5}), dp=dp, pp=pp, microbatches=m)
+    fault_free = table.fault_free_s(dp, pp)
+    cache = PlanCache(dp, pp, m, StageCosts.from_fault_free_step(fault_free, dp, pp, m), max_failures=1)
+    wired = IterationTimes(dp, pp, m, table.fault_free, cache.rerouted_s)
+    pessimistic, optimistic = balanced_reroute_bound(fault_free, dp), bubble_filling_bound(fault_free, dp, pp, m)
+    for key in failure_keys(dp, pp, 1)[1:]:
+        assert wired.rerouted_s(key) == cache.plan(key).iteration_s
+        assert optimistic(key) <= wired.rerouted_s(key) <= pessimistic(key)
