@@ -28,9 +28,9 @@ without the row it solved that key in 4 s.
 "optimal" means proved within MIP_REL_GAP (0.1%) of HiGHS's bound for this F/B order.
 ``time_limit_s`` covers the whole call (seed, model, solve). Branch and bound runs in a child
 process (killable_milp): HiGHS gets SOLVER_SHARE of what is left as its own limit, and the child
-is killed when all of it is spent. Stopped by the limit with a worse incumbent (or none), the planner returns the
-seed; the status then says ``time_limit`` and ``mip_gap`` is measured from the returned schedule
-to the best bound known (HiGHS's, or the LP relaxation's when the child was killed).
+is killed when all of it is spent. Stopped by the limit with a worse incumbent (or none), the
+planner returns the seed; the status then says ``time_limit`` and ``mip_gap`` is measured from
+the returned schedule to the best bound known (HiGHS's, or the LP relaxation's if it was killed).
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_array
 
-from frenzy_prefect.recycle.costs import StageCosts
 from frenzy_prefect.recycle import killable_milp
+from frenzy_prefect.recycle.costs import StageCosts
 from frenzy_prefect.recycle.failures import Worker
 from frenzy_prefect.recycle.memory import MemoryBound
 from frenzy_prefect.recycle.planners.base import Plan, Problem
