@@ -23,7 +23,7 @@ from frenzy_prefect.units import gib
 app = typer.Typer(help="Memory-aware LLM training on heterogeneous GPU clusters.", no_args_is_help=True, pretty_exceptions_enable=False)
 cluster_app = typer.Typer(help="Cluster inventories (FrenzyCluster blocks).", no_args_is_help=True)
 app.add_typer(cluster_app, name="cluster")
-recycle_app = typer.Typer(help="ReCycle: training through failures by re-routing micro-batches.", no_args_is_help=True)
+recycle_app = typer.Typer(help="ReCycle: training through failures by re-routing micro-batches (simulate a trace, plan a failure case).", no_args_is_help=True)
 app.add_typer(recycle_app, name="recycle")
 
 
@@ -436,6 +436,79 @@ def cluster_save(
         block_name = name or block.cluster.name
         block.save(block_name, overwrite=True)
         typer.echo(f"saved FrenzyCluster block {block_name!r} ({len(block.cluster.nodes)} nodes)")
+
+    _guarded(body)
+
+
+def _failed_stages(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise FrenzyError(f"--fail takes 0-based stage numbers separated by commas (e.g. 2,2,5), got {text!r}") from None
+
+
+@recycle_app.command("plan")
+def recycle_plan(
+    dp: int = typer.Option(..., "--dp", help="Data-parallel pipelines (replicas of every stage)."),
+    pp: int = typer.Option(..., "--pp", help="Pipeline stages."),
+    microbatches: int = typer.Option(..., "--microbatches", help="Micro-batches per pipeline per iteration."),
+    fail: str = typer.Option("", "--fail", help="Failed workers' stages, 0-based, comma-separated: 2,2,5 = two failures in stage 2, one in stage 5."),
+    planner_name: str = typer.Option("heuristic", "--planner", help="heuristic or milp."),
+    step_s: float = typer.Option(1.0, "--step-s", help="Fault-free 1F1B iteration time in seconds (costs follow from it: F:B:W = 1:1:1)."),
+    memory_bound: Optional[int] = typer.Option(None, "--memory-bound", help="Most micro-batches a worker may hold in flight (F done, W not); default: unbounded."),
+    actions: bool = typer.Option(False, "--actions", help="Also print every worker's action list."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Plan one failure case: per stage the live workers, micro-batches each and bubble share; the
+    iteration time and throughput relative to fault-free 1F1B; the planner's time."""
+    from frenzy_prefect.recycle.costs import StageCosts
+    from frenzy_prefect.recycle.failures import key_from_stages
+    from frenzy_prefect.recycle.planners import planner
+    from frenzy_prefect.recycle.schedule import one_f_one_b
+    from frenzy_prefect.recycle.timeline import run_timeline, steady_state_period_s
+
+    def body() -> None:
+        run = planner(planner_name)
+        costs = StageCosts.from_fault_free_step(step_s, dp, pp, microbatches)
+        key = key_from_stages(dp, pp, _failed_stages(fail))
+        result = run(dp, pp, microbatches, key, costs, memory_bound)
+        timeline = run_timeline(result.schedule, costs)
+        period = steady_state_period_s(result.schedule, costs)
+        fault_free_period = steady_state_period_s(one_f_one_b(dp, pp, microbatches), costs)
+        stages = []
+        for s in range(pp):
+            live = result.schedule.live(s)
+            stages.append({
+                "stage": s, "live_workers": len(live),
+                "microbatches_per_worker": [result.schedule.compute_counts((p, s)) for p in live],
+                "bubble_fraction": sum(timeline.bubble_fraction((p, s)) for p in live) / len(live),
+            })  # fmt: skip
+        out = {
+            "dp": dp, "pp": pp, "microbatches": microbatches, "failures_per_stage": list(key), "planner": result.planner,
+            "status": result.status, "mip_gap": result.mip_gap, "iteration_s": result.iteration_s, "fault_free_s": result.fault_free_s,
+            "relative_throughput": result.relative_throughput, "planner_wall_s": result.planner_wall_s, "memory_bound": memory_bound,
+            "steady_state_period_s": period, "steady_state_relative_throughput": fault_free_period / period, "stages": stages,
+        }  # fmt: skip
+        if actions:
+            out["actions"] = {f"{p},{s}": result.schedule.render((p, s)) for p, s in sorted(result.schedule.programs)}
+        if as_json:
+            typer.echo(json.dumps(out))
+            return
+        table = Table(title=f"dp={dp} pp={pp} microbatches={microbatches}, failures per stage {list(key)}, planner {result.planner}")
+        for column in ("stage", "live", "micro-batches each", "bubble"):
+            table.add_column(column, justify="right")
+        for st in stages:
+            table.add_row(str(st["stage"]), str(st["live_workers"]), ", ".join(map(str, st["microbatches_per_worker"])), f"{st['bubble_fraction']:.1%}")
+        console = Console()
+        console.print(table)
+        gap = f", gap {result.mip_gap:.2%}" if result.mip_gap is not None else ""
+        console.print(
+            f"iteration {result.iteration_s:.4g} s (fault-free 1F1B {result.fault_free_s:.4g} s): "
+            f"{result.relative_throughput:.1%} of fault-free throughput; planned in {result.planner_wall_s * 1e3:.1f} ms ({result.status}{gap})"
+        )
+        console.print(f"back to back (staggered optimizer steps): {period:.4g} s per iteration, {out['steady_state_relative_throughput']:.1%} of fault-free")
+        for worker, program in out.get("actions", {}).items():
+            console.print(f"({worker}): {program}", soft_wrap=True)
 
     _guarded(body)
 

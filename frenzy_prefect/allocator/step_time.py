@@ -31,8 +31,29 @@ SATURATION_TOKENS = 256
 OPTIMIZER_BYTES_MOVED = 32
 
 
+def ring_all_reduce_factor(peers: int) -> float:
+    """How many times a ring all-reduce moves its buffer over each link: 2(n - 1) / n."""
+    return 0.0 if peers <= 1 else 2 * (peers - 1) / peers
+
+
 def _ring_all_reduce_s(nbytes: float, peers: int, gbps: float) -> float:
-    return 0.0 if peers <= 1 else 2 * (peers - 1) / peers * nbytes / (gbps * 1e9)
+    return ring_all_reduce_factor(peers) * nbytes / (gbps * 1e9)
+
+
+def boundary_activation_bytes(model: ModelSpec, plan: ParallelPlan, seq_len: int, precision: Precision) -> int:
+    """One micro-batch's activation (or its gradient) passed between pipeline stages."""
+    return seq_len * plan.micro_batch * model.hidden * COMPUTE_BYTES[precision]
+
+
+def tensor_parallel_s(model: ModelSpec, plan: ParallelPlan, seq_len: int, precision: Precision, gpu: GpuType) -> float:
+    """Tensor-parallel all-reduces of one micro-batch on one stage: 4 activations per layer."""
+    layers_per_stage = -(-model.layers // plan.pp)
+    return 4 * layers_per_stage * _ring_all_reduce_s(boundary_activation_bytes(model, plan, seq_len, precision), plan.tp, gpu.link_gbps)
+
+
+def optimizer_step_s(updated_parameters: float, gpu: GpuType) -> float:
+    """The memory-bound optimizer step over ``updated_parameters``."""
+    return OPTIMIZER_BYTES_MOVED * updated_parameters / (gpu.memory_bandwidth_gbps * 1e9)
 
 
 def flops_per_token(model: ModelSpec, seq_len: int, recompute: str = "none") -> float:
@@ -76,12 +97,10 @@ def predict_step(
     between = network_gbps or gpu.link_gbps
     stage_params = max(stage_parameters(model, plan, s) for s in range(plan.pp))
     dp_comm = _ring_all_reduce_s(FP32 * stage_params, plan.dp, between) * (1.5 if plan.zero == 3 else 1.0)
-    layers_per_stage = -(-model.layers // plan.pp)
-    activation = seq_len * plan.micro_batch * model.hidden * COMPUTE_BYTES[precision]
-    tp_comm = 4 * layers_per_stage * accumulation * _ring_all_reduce_s(activation, plan.tp, gpu.link_gbps)
+    activation = boundary_activation_bytes(model, plan, seq_len, precision)
+    tp_comm = accumulation * tensor_parallel_s(model, plan, seq_len, precision, gpu)
     pp_comm = 0.0 if plan.pp == 1 else 2 * (accumulation + plan.pp - 1) * activation / (between * 1e9)
-    updated = stage_params / (plan.dp if plan.zero else 1)
-    optimizer = OPTIMIZER_BYTES_MOVED * updated / (gpu.memory_bandwidth_gbps * 1e9)
+    optimizer = optimizer_step_s(stage_params / (plan.dp if plan.zero else 1), gpu)
     return StepTime(compute, dp_comm + tp_comm + pp_comm + optimizer, gpu.achievable_fraction)
 
 

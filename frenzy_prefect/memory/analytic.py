@@ -247,12 +247,19 @@ def micro_batch_terms(model: ModelSpec, tp: int, micro_batch: int, seq_len: int,
     )
 
 
+def in_flight_micro_batch_bytes(terms: MicroBatchTerms, plan: ParallelPlan, *, layers: int, stage: int) -> int:
+    """What one in-flight micro-batch keeps on a rank of ``stage`` until its backward: the saved
+    activations of its layers, the head's on the last stage, and its boundary tensors."""
+    first, last = stage == 0, stage == plan.pp - 1
+    return layers * terms.saved_layer + (terms.head if last else 0) + terms.boundary * ((not first) + (not last))
+
+
 def activation_moments(terms: MicroBatchTerms, plan: ParallelPlan, *, layers: int, micro_batches: int, stage: int) -> Moments:
     """The candidate peaks of a rank of ``stage`` holding ``layers``: 1F1B keeps
     min(pp - stage, micro-batches) of its micro-batches in flight, the oldest in its backward."""
     first, last = stage == 0, stage == plan.pp - 1
     head = terms.head if last else 0
-    micro = layers * terms.saved_layer + head + terms.boundary * ((not first) + (not last))
+    micro = in_flight_micro_batch_bytes(terms, plan, layers=layers, stage=stage)
     ids = micro_batches * terms.ids
     held = (min(plan.pp - stage, micro_batches) - 1) * micro + ids
     pending = terms.tied_pending if plan.pp == 1 else 0

@@ -1,0 +1,141 @@
+"""What each action of a pipeline schedule costs, per stage: the timeline's only input about time.
+
+F, B and W are seconds per micro-batch of forward, input-gradient backward and weight-gradient
+backward on one worker of the stage; ``p2p_s`` is one activation (or gradient) send between
+stages; ``gradient_transfer_s`` is the stage's gradient bytes over one link, so a ring all-reduce
+over n live peers takes 2(n - 1)/n of it; ``optimizer_s`` is the stage's optimizer step.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, model_validator
+
+from frenzy_prefect.allocator.step_time import (
+    boundary_activation_bytes,
+    optimizer_step_s,
+    predict_step,
+    ring_all_reduce_factor,
+    tensor_parallel_s,
+)
+from frenzy_prefect.memory.analytic import FP32, stage_parameters
+from frenzy_prefect.recycle.failures import RecycleInputError, check_shape
+from frenzy_prefect.spec.cluster import GpuType
+from frenzy_prefect.spec.model import ModelSpec
+from frenzy_prefect.spec.plan import ParallelPlan
+from frenzy_prefect.spec.request import Precision
+
+# Zero Bubble's split: a transformer's backward is two matrix products per forward one, one for the
+# input gradient (B) and one for the weight gradient (W), so F : B : W = 1 : 1 : 1 in FLOPs.
+ZERO_BUBBLE_SPLIT = (1.0, 1.0, 1.0)
+
+
+class StageCosts(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    forward_s: list[NonNegativeFloat] = Field(min_length=1)
+    backward_input_s: list[NonNegativeFloat] = Field(min_length=1)
+    backward_weight_s: list[NonNegativeFloat] = Field(min_length=1)
+    p2p_s: NonNegativeFloat = 0.0
+    gradient_transfer_s: list[NonNegativeFloat] = Field(min_length=1)
+    optimizer_s: list[NonNegativeFloat] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _same_length(self) -> "StageCosts":
+        lengths = {len(x) for x in (self.forward_s, self.backward_input_s, self.backward_weight_s, self.gradient_transfer_s, self.optimizer_s)}
+        if len(lengths) != 1:
+            raise ValueError("forward_s, backward_input_s, backward_weight_s, gradient_transfer_s and optimizer_s need one entry per stage each")
+        return self
+
+    @property
+    def stages(self) -> int:
+        return len(self.forward_s)
+
+    def check_stages(self, pp: int) -> None:
+        if self.stages != pp:
+            raise RecycleInputError(f"the costs describe {self.stages} stages but the schedule has pp={pp}")
+
+    def compute_s(self, kind: str, stage: int) -> float:
+        return {"F": self.forward_s, "B": self.backward_input_s, "W": self.backward_weight_s}[kind][stage]
+
+    def allreduce_s(self, stage: int, peers: int) -> float:
+        """Ring all-reduce of the stage's gradients over its ``peers`` live workers."""
+        return ring_all_reduce_factor(peers) * self.gradient_transfer_s[stage]
+
+    @classmethod
+    def uniform(cls, pp: int, forward: float = 1.0, backward_input: float = 1.0, backward_weight: float = 1.0, *,
+                p2p: float = 0.0, gradient_transfer: float = 0.0, optimizer: float = 0.0) -> "StageCosts":  # fmt: skip
+        return cls(
+            forward_s=[forward] * pp, backward_input_s=[backward_input] * pp, backward_weight_s=[backward_weight] * pp,
+            p2p_s=p2p, gradient_transfer_s=[gradient_transfer] * pp, optimizer_s=[optimizer] * pp,
+        )  # fmt: skip
+
+    @classmethod
+    def from_fault_free_step(
+        cls,
+        step_s: float,
+        dp: int,
+        pp: int,
+        microbatches: int,
+        *,
+        split: tuple[float, float, float] = ZERO_BUBBLE_SPLIT,
+        p2p_per_forward: float = 0.05,
+        allreduce_fraction: float = 0.05,
+        optimizer_fraction: float = 0.01,
+    ) -> "StageCosts":
+        """Per-action costs whose fault-free 1F1B iteration (``fault_free_iteration_s``) lasts exactly
+        ``step_s``. Assumptions: balanced stages; F : B : W = ``split``; a p2p send takes
+        ``p2p_per_forward`` of a forward; the all-reduce over all dp peers and the optimizer step take
+        ``allreduce_fraction`` and ``optimizer_fraction`` of the step (no all-reduce when dp = 1).
+        Every compute and p2p cost scales with one unit, and the makespan is that unit times the
+        makespan at unit cost plus the all-reduce and optimizer, so solving for the unit is exact."""
+        from frenzy_prefect.recycle.timeline import fault_free_iteration_s
+
+        check_shape(dp, pp, microbatches)
+        if not step_s > 0:
+            raise RecycleInputError(f"step_s must be positive, got {step_s!r}")
+        if min(split) <= 0:
+            raise RecycleInputError(f"split (F, B, W) must be positive ratios, got {split}")
+        if allreduce_fraction < 0 or optimizer_fraction < 0 or allreduce_fraction + optimizer_fraction >= 1:
+            raise RecycleInputError(
+                f"allreduce_fraction ({allreduce_fraction}) and optimizer_fraction ({optimizer_fraction}) must be >= 0 and sum below 1"
+            )
+        f, b, w = split
+        allreduce = allreduce_fraction * step_s if dp > 1 else 0.0
+        optimizer = optimizer_fraction * step_s
+        unit = cls.uniform(pp, f, b, w, p2p=p2p_per_forward * f)
+        scale = (step_s - allreduce - optimizer) / fault_free_iteration_s(unit, dp, pp, microbatches)
+        transfer = allreduce / ring_all_reduce_factor(dp) if dp > 1 else 0.0
+        return cls.uniform(pp, f * scale, b * scale, w * scale, p2p=p2p_per_forward * f * scale, gradient_transfer=transfer, optimizer=optimizer)
+
+    @classmethod
+    def from_model(
+        cls,
+        model: ModelSpec,
+        plan: ParallelPlan,
+        *,
+        global_batch: int,
+        seq_len: int,
+        precision: Precision,
+        gpu: GpuType,
+        network_gbps: float | None = None,
+        split: tuple[float, float, float] = ZERO_BUBBLE_SPLIT,
+    ) -> "StageCosts":
+        """Costs from the allocator's throughput model (``predict_step`` and its pieces): its
+        bubble-free compute of one GPU's step divided over the micro-batches and split F : B : W
+        (balanced stages, as the model assumes), tensor-parallel all-reduces added to F and B, the
+        stage boundary send, and each stage's own gradient bytes and optimizer step."""
+        step = predict_step(model, plan, global_batch=global_batch, seq_len=seq_len, precision=precision, gpu=gpu, network_gbps=network_gbps)
+        micro_batches = plan.accumulation(global_batch)
+        compute = step.compute_at_peak_s / step.achievable_fraction / (1 + (plan.pp - 1) / micro_batches) / micro_batches
+        tp = tensor_parallel_s(model, plan, seq_len, precision, gpu) / 2  # half in the forward, half in the backward
+        between = network_gbps or gpu.link_gbps
+        total = sum(split)
+        params = [stage_parameters(model, plan, s) for s in range(plan.pp)]
+        return cls(
+            forward_s=[compute * split[0] / total + tp] * plan.pp,
+            backward_input_s=[compute * split[1] / total + tp] * plan.pp,
+            backward_weight_s=[compute * split[2] / total] * plan.pp,
+            p2p_s=boundary_activation_bytes(model, plan, seq_len, precision) / (between * 1e9) if plan.pp > 1 else 0.0,
+            gradient_transfer_s=[FP32 * n / (between * 1e9) for n in params],
+            optimizer_s=[optimizer_step_s(n / (plan.dp if plan.zero else 1), gpu) for n in params],
+        )

@@ -1,0 +1,61 @@
+"""How many micro-batches a worker may hold in flight, from MARP, and how many a schedule holds.
+
+In flight on a worker: a micro-batch whose F ran there and whose W has not yet. Zero Bubble's
+split keeps the stage's inputs (and the activations W needs) until W, so W, not B, frees it;
+counted in program order, so it does not depend on timing. Fault-free 1F1B holds pp - s at stage s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from frenzy_prefect.memory.analytic import estimate, in_flight_micro_batch_bytes, micro_batch_terms, stage_layer_counts
+from frenzy_prefect.recycle.failures import RecycleInputError, Worker
+from frenzy_prefect.recycle.schedule import Schedule
+from frenzy_prefect.spec.cluster import GpuType
+from frenzy_prefect.spec.model import ModelSpec
+from frenzy_prefect.spec.plan import ParallelPlan
+from frenzy_prefect.spec.request import Precision
+
+MemoryBound = int | Sequence[int] | None
+
+
+def bounds_per_stage(memory_bound: MemoryBound, pp: int) -> list[int] | None:
+    """One bound per stage from an int (every stage), a per-stage list, or None (unbounded)."""
+    if memory_bound is None:
+        return None
+    bounds = [memory_bound] * pp if isinstance(memory_bound, int) else list(memory_bound)
+    if len(bounds) != pp or any(not isinstance(b, int) or b < 1 for b in bounds):
+        raise RecycleInputError(f"memory_bound must be a positive int or {pp} positive ints (one per stage), got {memory_bound!r}")
+    return bounds
+
+
+def in_flight_peak(schedule: Schedule, worker: Worker) -> int:
+    """The most micro-batches ``worker`` holds at once (F done, W not yet)."""
+    held = peak = 0
+    for a in schedule.programs.get(worker, ()):
+        if a.kind == "F":
+            held += 1
+            peak = max(peak, held)
+        elif a.kind == "W":
+            held -= 1
+    return peak
+
+
+def in_flight_bound(
+    model: ModelSpec, plan: ParallelPlan, gpu: GpuType, *, global_batch: int, seq_len: int, precision: Precision,
+    optimizer_bytes_per_param: int = 8,
+) -> list[int]:  # fmt: skip
+    """Per stage, how many micro-batches fit in flight on one GPU: the GPU's memory less everything
+    MARP's estimate puts there besides saved activations (model states, transients, runtime
+    overhead) and the step's token ids, divided by one in-flight micro-batch's bytes."""
+    memory = estimate(model, plan, global_batch=global_batch, seq_len=seq_len, precision=precision,
+                      optimizer_bytes_per_param=optimizer_bytes_per_param, gpu=gpu)  # fmt: skip
+    terms = micro_batch_terms(model, plan.tp, plan.micro_batch, seq_len, precision, plan.recompute, plan.zero == 3)
+    ids = plan.accumulation(global_batch) * terms.ids
+    layers = stage_layer_counts(model.layers, plan.pp)
+    bounds = []
+    for stage, b in enumerate(memory.per_stage):
+        free = gpu.memory_bytes - (b.total - b.activations) - ids
+        bounds.append(max(0, free // in_flight_micro_batch_bytes(terms, plan, layers=layers[stage], stage=stage)))
+    return bounds

@@ -1,0 +1,163 @@
+"""Execute a schedule under StageCosts: when every action starts and ends, and the iteration time.
+
+Each worker runs its program in order; an action starts when its worker is free and what it
+consumes is there: a receive waits for the matching send's end plus the p2p time, F and B for
+their receives (and B for its own F), W for its B, the all-reduce of a stage for every live peer
+of the stage to reach it (a collective), the optimizer for the all-reduce. Sends take no worker
+time (asynchronous). Start times are as soon as possible, which for fixed per-worker orders is the
+earliest possible for every action.
+
+Iteration time (what the planners minimise): the makespan of one iteration started with every
+worker idle at time 0, up to the end of the last stage's optimizer step. Stages step their
+optimizers independently (staggered, no global barrier), so each stage finishes at its own time.
+
+Steady state (``steady_state_period_s``): the schedule repeated back to back, each worker starting
+its next iteration's program as soon as it has finished its own previous one (its stage's
+optimizer step: the weights it needs are then updated), so the next iteration's warm-up overlaps
+other stages' deferred W's and optimizer steps. The period is the gap between the ends of the
+last two of a few iterations; the iteration time above bounds it from above.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from typing import NamedTuple
+
+from frenzy_prefect.recycle.costs import StageCosts
+from frenzy_prefect.recycle.failures import RecycleInputError, Worker
+from frenzy_prefect.recycle.schedule import Action, Schedule
+
+
+class ScheduleDeadlock(RecycleInputError):
+    """Workers wait on each other (or on actions that never happen): the iteration cannot end."""
+
+
+class Timeline(NamedTuple):
+    starts: dict[Worker, list[float]]  # per action of the program (repeated, for several iterations)
+    ends: dict[Worker, list[float]]
+    iteration_s: float  # the makespan of all the iterations run
+    iteration_ends: list[float]  # when each iteration's last optimizer step ends
+
+    def busy_s(self, worker: Worker) -> float:
+        return sum(e - s for s, e in zip(self.starts[worker], self.ends[worker], strict=True))
+
+    def bubble_fraction(self, worker: Worker) -> float:
+        """The share of the iteration this worker is idle."""
+        return 1.0 - self.busy_s(worker) / self.iteration_s if self.iteration_s > 0 else 0.0
+
+    def stage_end_s(self, stage: int) -> float:
+        """When the stage's optimizer step ends (stages end at different times)."""
+        return max(e[-1] for (p, s), e in self.ends.items() if s == stage and e)
+
+
+def _needs(a: Action, stage: int, pp: int) -> tuple[tuple, ...]:
+    """The keys an action waits for (published by the actions that produce them)."""
+    k = a.kind
+    if k == "F":
+        return (("RA", a.pipeline, a.micro, stage),) if stage > 0 else ()
+    if k == "B":
+        own = ("F", a.pipeline, a.micro, stage)
+        return (own, ("RG", a.pipeline, a.micro, stage)) if stage < pp - 1 else (own,)
+    if k == "W":
+        return (("B", a.pipeline, a.micro, stage),)
+    if k == "SA":
+        return (("F", a.pipeline, a.micro, stage),)
+    if k == "SG":
+        return (("B", a.pipeline, a.micro, stage),)
+    if k == "RA":
+        return (("SA", a.pipeline, a.micro, stage - 1),)
+    if k == "RG":
+        return (("SG", a.pipeline, a.micro, stage + 1),)
+    return ()
+
+
+def run_timeline(schedule: Schedule, costs: StageCosts, iterations: int = 1) -> Timeline:
+    """Start and end of every action of ``iterations`` back-to-back iterations; raises
+    ScheduleDeadlock naming the stuck workers."""
+    pp = schedule.pp
+    costs.check_stages(pp)
+    ready: dict[tuple, float] = {}
+    waiting: dict[tuple, list[Worker]] = defaultdict(list)
+    length = {w: len(program) for w, program in schedule.programs.items()}
+    programs = {w: program * iterations for w, program in schedule.programs.items()}
+    ptr = {w: 0 for w in programs}
+    free = {w: 0.0 for w in programs}
+    starts: dict[Worker, list[float]] = {w: [] for w in programs}
+    ends: dict[Worker, list[float]] = {w: [] for w in programs}
+    arrived: dict[tuple[int, int], dict[Worker, float]] = defaultdict(dict)  # (stage, iteration)
+    live_count = {s: sum(1 for (_, st) in programs if st == s) for s in range(pp)}
+    queue = deque(programs)
+
+    def finish(w: Worker, start: float, end: float, key: tuple | None, available: float) -> None:
+        starts[w].append(start)
+        ends[w].append(end)
+        free[w] = end
+        ptr[w] += 1
+        if key is not None:
+            ready[key] = available
+            for waiter in waiting.pop(key, ()):
+                queue.append(waiter)
+
+    while queue:
+        w = queue.popleft()
+        program, stage = programs[w], w[1]
+        while ptr[w] < len(program):
+            a = program[ptr[w]]
+            it = ptr[w] // length[w]
+            if a.kind == "AR":
+                group = arrived[(stage, it)]
+                if w in group:
+                    break
+                group[w] = free[w]
+                if len(group) < live_count[stage]:
+                    break
+                begin = max(group.values())
+                end = begin + costs.allreduce_s(stage, live_count[stage])
+                for peer in group:
+                    finish(peer, begin, end, None, end)
+                    if peer != w:
+                        queue.append(peer)
+                continue
+            needs = [(*k, it) for k in _needs(a, stage, pp)]
+            missing = next((k for k in needs if k not in ready), None)
+            if missing is not None:
+                waiting[missing].append(w)
+                break
+            start = max([free[w], *(ready[k] for k in needs)])
+            kind = a.kind
+            if kind in ("F", "B", "W"):
+                end = start + costs.compute_s(kind, stage)
+                finish(w, start, end, (kind, a.pipeline, a.micro, stage, it), end)
+            elif kind in ("SA", "SG"):
+                finish(w, start, start, (kind, a.pipeline, a.micro, stage, it), start + costs.p2p_s)
+            elif kind in ("RA", "RG"):
+                finish(w, start, start, (kind, a.pipeline, a.micro, stage, it), start)
+            elif kind == "OPT":
+                end = start + costs.optimizer_s[stage]
+                finish(w, start, end, None, end)
+            else:
+                raise RecycleInputError(f"worker {w} has an action of unknown kind {kind!r}")
+    stuck = {w: str(programs[w][ptr[w]]) for w in programs if ptr[w] < len(programs[w])}
+    if stuck:
+        shown = ", ".join(f"(pipeline {p}, stage {s}) at {a}" for (p, s), a in sorted(stuck.items())[:6])
+        raise ScheduleDeadlock(f"the schedule deadlocks: {len(stuck)} worker(s) never finish: {shown}")
+    makespan = max((e[-1] for e in ends.values() if e), default=0.0)
+    iteration_ends = [max((e[(i + 1) * length[w] - 1] for w, e in ends.items() if length[w]), default=0.0) for i in range(iterations)]
+    return Timeline(starts, ends, makespan, iteration_ends)
+
+
+def iteration_s(schedule: Schedule, costs: StageCosts) -> float:
+    return run_timeline(schedule, costs).iteration_s
+
+
+def steady_state_period_s(schedule: Schedule, costs: StageCosts, iterations: int = 4) -> float:
+    """Seconds per iteration once iterations run back to back (staggered optimizer steps)."""
+    ends = run_timeline(schedule, costs, max(2, iterations)).iteration_ends
+    return ends[-1] - ends[-2]
+
+
+def fault_free_iteration_s(costs: StageCosts, dp: int, pp: int, microbatches: int) -> float:
+    """The iteration time of the fault-free 1F1B schedule (the baseline of relative throughput)."""
+    from frenzy_prefect.recycle.schedule import one_f_one_b
+
+    return iteration_s(one_f_one_b(dp, pp, microbatches), costs)
