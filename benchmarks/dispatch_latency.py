@@ -8,7 +8,7 @@ runs of the `distributed-train/frenzy` deployment, each a one-GPU gpt-nano job o
 - Throughput: QUEUED runs submitted at once onto 4 GPUs; dispatches per minute and the time
   until the last one finished.
 
-    python -m benchmarks.dispatch_latency [--sequential 5] [--queued 12] [--json PATH]
+    python -m benchmarks.dispatch_latency [--sequential 5] [--queued 100] [--json PATH]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ DATASET = f"s3://{BUCKET}/data/text.txt"
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sequential", type=int, default=5)
-    parser.add_argument("--queued", type=int, default=12)
+    parser.add_argument("--queued", type=int, default=100)
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/dispatch_latency.json"))
     args = parser.parse_args()
 
