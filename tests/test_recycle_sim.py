@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from frenzy_prefect.errors import FrenzyError
-from frenzy_prefect.recycle.iteration import IterationTimes
+from frenzy_prefect.recycle.iteration import IterationTimes, balanced_reroute_bound
 from frenzy_prefect.recycle.knobs import Knobs
 from frenzy_prefect.recycle.policies import POLICIES, make_policy
 from frenzy_prefect.recycle.policies.base import View, reform
@@ -17,8 +17,9 @@ T = 10.0  # fault-free iteration seconds of the full grid
 
 
 def grid(dp=2, pp=4, reroute=None):
-    """Fault-free time proportional to 1/GPUs (the same global batch on fewer GPUs)."""
-    return IterationTimes(dp, pp, 8, lambda d, p: T * dp * pp / (d * p), reroute)
+    """Fault-free time proportional to 1/GPUs (the same global batch on fewer GPUs); re-routing
+    by the pessimistic bound unless told otherwise (hand-checkable, and fast)."""
+    return IterationTimes(dp, pp, 8, lambda d, p: T * dp * pp / (d * p), reroute or balanced_reroute_bound(T, dp))
 
 
 def trace(nodes, *events):
@@ -135,7 +136,7 @@ def test_adaptive_is_never_below_oobleck_when_nodes_only_leave():
     for seed in range(3):
         tr = shrink_trace(32, mtbf_s=20 * 3600, horizon_s=8 * 3600, seed=seed)
         for dp, pp in ((4, 8), (8, 4)):
-            model = IterationTimes(dp, pp, 32, lambda d, p: T * 32 / (d * p) * (1 + (p - 1) / 32))
+            model = IterationTimes(dp, pp, 32, lambda d, p: T * 32 / (d * p) * (1 + (p - 1) / 32), balanced_reroute_bound(T * (1 + (pp - 1) / 32), dp))
             adaptive = simulate(model, tr, make_policy("adaptive"), samples_per_iteration=dp * 32, horizon_s=8 * 3600)
             oobleck = simulate(model, tr, make_policy("oobleck"), samples_per_iteration=dp * 32, horizon_s=8 * 3600)
             assert adaptive.throughput >= oobleck.throughput * 0.999
@@ -156,7 +157,7 @@ def test_a_job_starts_with_whatever_nodes_the_trace_has_first():
 def test_busy_traces_replay_quickly_and_consistently():
     tr = transient_trace(32, mtbf_s=3600, repair_s=900, horizon_s=6 * 3600, seed=3)
     for policy in POLICIES:
-        model = IterationTimes(4, 8, 32, lambda d, p: T * 32 / (d * p))
+        model = IterationTimes(4, 8, 32, lambda d, p: T * 32 / (d * p), balanced_reroute_bound(T, 4))
         result = simulate(model, tr, make_policy(policy), samples_per_iteration=128)
         assert 0 <= result.ratio <= 1 and result.completed_samples % 128 == 0
         assert sum(result.counts.values()) == len(result.events)

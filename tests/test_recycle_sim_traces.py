@@ -144,6 +144,14 @@ def test_the_pessimistic_bound_stretches_by_the_most_loaded_stage_and_injection_
         model.rerouted_s((4, 0, 0, 0))
 
 
+def test_without_an_injected_reroute_the_planners_schedules_give_the_times():
+    from frenzy_prefect.recycle.iteration import planned_reroute
+
+    planned = IterationTimes(2, 3, 4, lambda d, p: 6.0).rerouted_s((1, 0, 0))
+    assert planned == planned_reroute(6.0, 2, 3, 4)((1, 0, 0))
+    assert 6.0 < planned < balanced_reroute_bound(6.0, 2)((1, 0, 0))  # bubbles absorb part of the extra work
+
+
 def test_the_throughput_model_source_keeps_the_global_batch_when_the_grid_shrinks():
     from frenzy_prefect.profiling.model import PRESETS
     from frenzy_prefect.spec.catalog import GPU_CATALOG

@@ -33,15 +33,17 @@ def failure_keys(dp: int, pp: int, max_failures: int) -> list[FailureKey]:
 
 
 class PlanCache:
+    """``plan_on_demand``: a key beyond ``max_failures`` is planned when first asked for and kept
+    (for simulations, which meet many keys; a training run precomputes what it may need)."""
+
     def __init__(self, dp: int, pp: int, microbatches: int, costs: StageCosts, *, max_failures: int = 1,
-                 planner_name: str = "heuristic", memory_bound: MemoryBound = None) -> None:  # fmt: skip
+                 planner_name: str = "heuristic", memory_bound: MemoryBound = None, plan_on_demand: bool = False) -> None:  # fmt: skip
         if max_failures < 0:
             raise RecycleInputError(f"max_failures must be >= 0, got {max_failures}")
         self.dp, self.pp, self.microbatches, self.max_failures = dp, pp, microbatches, max_failures
-        run = planner(planner_name)
-        self.plans: dict[FailureKey, Plan] = {
-            key: run(dp, pp, microbatches, key, costs, memory_bound) for key in failure_keys(dp, pp, max_failures)
-        }
+        self.plan_on_demand = plan_on_demand
+        self._plan_key = lambda key: planner(planner_name)(dp, pp, microbatches, key, costs, memory_bound)
+        self.plans: dict[FailureKey, Plan] = {key: self._plan_key(key) for key in failure_keys(dp, pp, max_failures)}
 
     def __len__(self) -> int:
         return len(self.plans)
@@ -49,6 +51,8 @@ class PlanCache:
     def plan(self, failures_per_stage: Iterable[int]) -> Plan:
         """The plan of a failure key (failures per stage), without the relabelling."""
         key = check_key(self.dp, self.pp, failures_per_stage)
+        if key not in self.plans and self.plan_on_demand:
+            self.plans[key] = self._plan_key(key)
         if key not in self.plans:
             raise RecycleInputError(
                 f"no precomputed plan for failures per stage {key} ({sum(key)} failures); this cache covers up to {self.max_failures}"

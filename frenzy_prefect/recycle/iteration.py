@@ -2,10 +2,11 @@
 the resilience simulator needs to know about the model and the hardware.
 
 Two fault-free sources: the project's throughput model (``predict_step``), or a step-time table
-of measured/published numbers. ReCycle's iteration time under failures (``rerouted_s``) is
-injected as a callable, so the planner's plan cache can drive the simulator; until then
-``balanced_reroute_bound`` (pessimistic) and ``bubble_filling_bound`` (optimistic) are analytic
-stand-ins that bracket it -- neither is a planner.
+of measured/published numbers. ReCycle's iteration time under failures (``rerouted_s``) comes
+from the planner (``planned_reroute``: the heuristic's schedule for each failure key, per-action
+costs inverted from the fault-free step) unless another callable is given;
+``balanced_reroute_bound`` (pessimistic) and ``bubble_filling_bound`` (optimistic, though W
+deferral can beat it) are analytic references, for tests and for bracketing the planner.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Protocol
 
@@ -39,6 +41,17 @@ class IterationModel(Protocol):
     def rerouted_s(self, failures_per_stage: tuple[int, ...]) -> float:
         """ReCycle's iteration time on the original grid with these failures per stage."""
         ...
+
+
+def planned_reroute(fault_free_s: float, dp: int, pp: int, microbatches: int, planner_name: str = "heuristic") -> Reroute:
+    """ReCycle's iteration times from the planner's schedules: F, B, W, send, all-reduce and
+    optimizer costs inverted from the fault-free step (StageCosts.from_fault_free_step), each
+    failure key planned when first met."""
+    from frenzy_prefect.recycle.cache import PlanCache
+    from frenzy_prefect.recycle.costs import StageCosts
+
+    costs = StageCosts.from_fault_free_step(fault_free_s, dp, pp, microbatches)
+    return PlanCache(dp, pp, microbatches, costs, max_failures=0, planner_name=planner_name, plan_on_demand=True).rerouted_s
 
 
 def balanced_reroute_bound(fault_free_s: float, dp: int) -> Reroute:
@@ -69,8 +82,8 @@ def bubble_filling_bound(fault_free_s: float, dp: int, pp: int, microbatches: in
 
 @dataclass(frozen=True)
 class IterationTimes:
-    """An IterationModel from two callables. ``reroute`` defaults to ``balanced_reroute_bound``;
-    pass the planner's cache lookup (``lambda f: cache.plan(f).iteration_s``) to use real plans."""
+    """An IterationModel from two callables. ``reroute`` defaults to ``planned_reroute`` (the
+    heuristic planner, keys planned on first use)."""
 
     dp: int
     pp: int
@@ -90,8 +103,11 @@ class IterationTimes:
             )
         if not any(failures_per_stage):
             return self.fault_free_s(self.dp, self.pp)
-        reroute = self.reroute or balanced_reroute_bound(self.fault_free_s(self.dp, self.pp), self.dp)
-        return reroute(failures_per_stage)
+        return (self.reroute or self._planned)(failures_per_stage)
+
+    @cached_property
+    def _planned(self) -> Reroute:
+        return planned_reroute(self.fault_free_s(self.dp, self.pp), self.dp, self.pp, self.microbatches)
 
 
 def from_throughput_model(
