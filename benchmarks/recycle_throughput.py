@@ -4,23 +4,24 @@ A100-80GB (the throughput model), under the two shared spot-instance traces (p3,
 synthetic traces of 32 workers: transient (per-node MTBF 1 h, repair 15 min) and shrink-only
 (per-node MTBF 24 h, nodes never return), 12 h each, averaged over seeds.
 
-ReCycle's iteration time under failures comes from an analytic stand-in until the planner is
-wired (``--reroute``): ``pessimistic`` (balanced_reroute_bound, the default) or ``optimistic``
-(bubble_filling_bound); ``recycle`` and ``adaptive`` are also run with the other one, as
-``recycle/opt`` (or ``/pess``) rows, so the planner's result lies between. Swap in the planner
-by changing ``reroute_for``.
+ReCycle's iteration time under failures comes from the planner's schedules (``--reroute
+planner``, the default: the heuristic, each failure key planned once per grid). ``recycle`` and
+``adaptive`` are also run with the two analytic references, ``pessimistic``
+(balanced_reroute_bound: no bubble absorbs anything) and ``optimistic`` (bubble_filling_bound),
+as ``(pess)``/``(opti)`` rows.
 
-    python -m benchmarks.recycle_throughput [--seeds 3] [--reroute pessimistic|optimistic] [--json PATH]
+    python -m benchmarks.recycle_throughput [--seeds 3] [--reroute planner|pessimistic|optimistic] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+from functools import cache
 from pathlib import Path
 
 from benchmarks import write_result
-from frenzy_prefect.recycle.iteration import DEFAULT_GPU, DEFAULT_MODEL, balanced_reroute_bound, bubble_filling_bound, from_preset
+from frenzy_prefect.recycle.iteration import DEFAULT_GPU, DEFAULT_MODEL, balanced_reroute_bound, bubble_filling_bound, from_preset, planned_reroute
 from frenzy_prefect.recycle.knobs import Knobs
 from frenzy_prefect.recycle.policies import POLICIES, make_policy
 from frenzy_prefect.recycle.simulator import simulate
@@ -32,9 +33,15 @@ MICROBATCHES = 32
 HORIZON_S = 12 * 3600
 
 
+REROUTES = ("planner", "pessimistic", "optimistic")
+
+
+@cache
 def reroute_for(kind: str, dp: int, pp: int):
-    """The one line to change at integration: return the planner's lookup instead."""
+    """One per grid, so each failure key is planned once across every trace and policy."""
     fault_free = from_preset(DEFAULT_MODEL, DEFAULT_GPU, dp=dp, pp=pp, microbatches=MICROBATCHES).fault_free_s(dp, pp)
+    if kind == "planner":
+        return planned_reroute(fault_free, dp, pp, MICROBATCHES)
     if kind == "pessimistic":
         return balanced_reroute_bound(fault_free, dp)
     return bubble_filling_bound(fault_free, dp, pp, MICROBATCHES)
@@ -75,10 +82,10 @@ def one(dp: int, pp: int, trace_name: str, runs: list[FailureTrace], policy: str
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--reroute", choices=["pessimistic", "optimistic"], default="pessimistic")
+    parser.add_argument("--reroute", choices=REROUTES, default="planner")
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/recycle_throughput.json"))
     args = parser.parse_args()
-    other = "optimistic" if args.reroute == "pessimistic" else "pessimistic"
+    others = [r for r in REROUTES if r != args.reroute]
 
     rows = []
     for name, runs in traces(args.seeds).items():
@@ -86,7 +93,7 @@ def main() -> None:
             for policy in POLICIES:
                 rows.append(one(dp, pp, name, runs, policy, args.reroute))
             for policy in ("recycle", "adaptive"):
-                rows.append(one(dp, pp, name, runs, policy, other))
+                rows += [one(dp, pp, name, runs, policy, other) for other in others]
     print(f"{'grid':<6}{'trace':<11}{'policy':<24}{'ratio':>7}{'samples/s':>11}{'downtime h':>11}{'stalled h':>10}{'wipeouts':>9}  events")
     for r in rows:
         label = r["policy"] + ("" if r["reroute"] == args.reroute else f" ({r['reroute'][:4]})")
@@ -96,7 +103,7 @@ def main() -> None:
     ratio = {(r["grid"], r["trace"], r["policy"], r["reroute"]): r["ratio"] for r in rows}
     targets = []
     for grid in (f"{dp}x{pp}" for dp, pp in GRIDS):
-        for reroute in (args.reroute, other):
+        for reroute in (args.reroute, *others):
             recycle = ratio[(grid, "transient", "recycle", reroute)]
             targets.append({"grid": grid, "reroute": reroute, "target": "recycle >= 1.3x drop_pipeline (transient)",
                             "value": recycle / ratio[(grid, "transient", "drop_pipeline", args.reroute)], "threshold": 1.3})
