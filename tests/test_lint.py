@@ -12,3 +12,17 @@ def test_ruff_finds_nothing():
         cwd=ROOT, capture_output=True, text=True,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_pure_core_imports_no_prefect():
+    core = ["spec", "profiling", "memory", "allocator", "training", "launch", "simulation", "recycle"]
+    modules = sorted(
+        ".".join(p.relative_to(ROOT).with_suffix("").parts)
+        for package in core
+        for p in (ROOT / "frenzy_prefect" / package).rglob("*.py")
+        if p.name != "__init__.py"
+    )
+    probe = f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\nprint(sorted(n for n in sys.modules if n.split('.')[0] == 'prefect'))"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"the core pulled in Prefect: {out.stdout[:300]}"
