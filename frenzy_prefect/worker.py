@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import os
 import shlex
-from datetime import datetime, timedelta, timezone
 import socket
 import sys
-from pathlib import Path
 import tempfile
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
 from typing import Any, Literal, Optional
 
 from uuid import UUID
@@ -57,7 +57,8 @@ CANCEL_POLL_S = 1.0  # how often a running run's state is checked for cancellati
 CANCEL_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this: every rank is gone within ~7 s
 WORKER_LABEL = "frenzy.worker"  # the worker's name
 PROCESS_LABEL = "frenzy.worker-process"  # HOST:PID of the worker process that took the run
-LEASE_LABEL = "frenzy.lease"  # the run's GPU reservation
+LEASE_LABEL = "frenzy.lease"  # the run's GPU reservation, RELEASED once its worker let it go
+RELEASED = "released"
 RECLAIMED_LABEL = "frenzy.reclaimed-by"  # the worker that reclaimed the run after its own was lost
 RECLAIM_WINDOW_S = 3 * LEASE_S  # a lease outlives its last renewal by at most LEASE_S plus the server's sweep
 
@@ -169,6 +170,7 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, FrenzyVariables, FrenzyWor
                     with anyio.CancelScope(shield=True):
                         self.get_flow_run_logger(flow_run).info(f"Releasing GPUs {_gpus(job)}")
                         await reservations.release(lease)
+                        await client.update_flow_run_labels(flow_run.id, {LEASE_LABEL: RELEASED})
         if cancelled:
             await self._mark_flow_run_as_cancelled(await self.client.read_flow_run(flow_run.id), {"message": "Cancelled: every rank stopped"})
             return FrenzyWorkerResult(status_code=0, identifier=result.identifier)  # not a crash
@@ -266,7 +268,10 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, FrenzyVariables, FrenzyWor
     async def sync_with_backend(self) -> None:
         await super().sync_with_backend()
         if self._work_pool is not None:
-            await self._reclaim_orphans()
+            try:
+                await self._reclaim_orphans()
+            except Exception:  # never let housekeeping stop the worker's heartbeat
+                self._logger.exception("Reclaiming the runs of lost workers failed; trying again at the next heartbeat")
 
     async def _reclaim_orphans(self) -> None:
         """Reclaim the runs of this pool whose worker is gone: stop what is left of their
@@ -278,20 +283,21 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, FrenzyVariables, FrenzyWor
         runs = [run for f in (active, ended) for run in await self.client.read_flow_runs(work_pool_filter=pool, flow_run_filter=f)]
         offline = {w.name for w in await self.client.read_workers_for_work_pool(self._work_pool_name) if w.status == WorkerStatus.OFFLINE}
         for run in {run.id: run for run in runs}.values():
-            owner = run.labels.get(PROCESS_LABEL)
-            if owner is None or owner == _this_process() or RECLAIMED_LABEL in run.labels:
+            owner, lease = run.labels.get(PROCESS_LABEL), run.labels.get(LEASE_LABEL, RELEASED)
+            final = run.state is not None and run.state.is_final()
+            if owner is None or owner == _this_process() or RECLAIMED_LABEL in run.labels or (final and lease == RELEASED):
                 continue
             host, (pid,) = host_and_pids(owner)
             if is_running(pid, group=False) if host == socket.gethostname() else run.labels.get(WORKER_LABEL) not in offline:
                 continue
             if run.infrastructure_pid and host_and_pids(run.infrastructure_pid)[0] == socket.gethostname():
                 await stop_process_groups(host_and_pids(run.infrastructure_pid)[1], CANCEL_GRACE_S)
-            if LEASE_LABEL in run.labels:
-                await self.client.release_concurrency_slots_with_lease(UUID(run.labels[LEASE_LABEL]))  # a no-op once expired
+            if lease != RELEASED:
+                await self.client.release_concurrency_slots_with_lease(UUID(lease))  # a no-op once expired
             await self.client.update_flow_run_labels(run.id, {RECLAIMED_LABEL: self.name})
             message = f"its frenzy worker {run.labels.get(WORKER_LABEL)!r} ({owner}) is gone; {self.name!r} stopped its processes and released its GPUs"
             self.get_flow_run_logger(run).warning(f"Reclaimed: {message}")
-            if run.state is not None and not run.state.is_final():
+            if not final:
                 await self._propose_crashed_state(run, f"Crashed: {message}")
 
 
