@@ -1,7 +1,8 @@
 """The SSH launcher against a real sshd on 127.0.0.1 (Debian's openssh-server, started here
 with its own host key and an authorized key, stopped by PID): a two-node job trains through
 it, stopping the ssh client stops the remote command, and a host that cannot be reached or
-whose key is not trusted fails with ssh's code and the host named."""
+whose key is not trusted fails with ssh's code and the host named; and a flow run whose job
+variables pick the ssh launcher trains through the pool's worker and sshd."""
 
 import asyncio
 import json
@@ -148,3 +149,40 @@ def test_the_pool_limits_gpu_types_and_gpus_per_run():
         _check_pool_policy(job, FrenzyJobConfiguration(allowed_gpu_types=["H100"]))
     with pytest.raises(FrenzyError, match="at most 1 GPUs per run; the run needs 2"):
         _check_pool_policy(job, FrenzyJobConfiguration(max_gpus_per_run=1))
+
+
+@pytest.mark.e2e
+def test_a_flow_run_with_the_ssh_launcher_trains_through_sshd_via_the_worker(sshd, stack, worker_pool, dataset):
+    """The whole path: a `distributed-train` run whose job variables pick the ssh launcher (key
+    in a Secret block, host keys checked); the pool's worker reserves the GPUs and starts the
+    ranks on the node's host through sshd, and rank 0 reports the run complete."""
+    from prefect.blocks.system import Secret
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.deployments import run_deployment
+
+    from .test_e2e import free_now, training_job, wait_final
+
+    sshd_log = sshd.identity_file.parent / "sshd.log"
+    accepted_before = sshd_log.read_text(errors="replace").count("Accepted publickey")
+    parameters = training_job(dataset, gpus=2, gpu_type="A10", steps=5, output=f"s3://{BUCKET}/runs/worker-over-ssh")
+    variables = {
+        "launcher": "ssh",
+        "ssh_user": sshd.user,
+        "ssh_port": sshd.port,
+        "ssh_key_secret": "frenzy-ssh-e2e-key",
+        "ssh_known_hosts": str(sshd.known_hosts),
+    }
+    with stack.client_settings():
+        Secret(value=sshd.identity_file.read_text()).save("frenzy-ssh-e2e-key", overwrite=True)
+        run = wait_final(run_deployment("distributed-train/frenzy", parameters=parameters, job_variables=variables, timeout=0).id)
+        with get_client(sync_client=True) as client:
+            logs = [log.message for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))]
+    assert run.state.is_completed(), run.state.message
+    assert any(m.startswith("Reserved GPUs a10-node[0, 1]") for m in logs) and any(m.startswith("step 5/5 loss") for m in logs)
+    assert sshd_log.read_text(errors="replace").count("Accepted publickey") == accepted_before + 1  # one node, one session
+    assert sshd.identity_file.read_text().strip().splitlines()[1] not in "\n".join(logs)  # the key never reaches a log
+    deadline = time.monotonic() + 30  # the worker releases the GPUs once the ssh sessions end, just after rank 0 reports
+    while free_now(stack) != {"a10-node": [0, 1], "t4-node": [0, 1]}:
+        assert time.monotonic() < deadline, f"GPUs still held: {free_now(stack)}"
+        time.sleep(0.5)
