@@ -120,13 +120,16 @@ class LocalStack:
             raise StackError(f"{' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
         return proc.stdout
 
-    def start_worker(self, pool: str, name: str = "frenzy-worker") -> subprocess.Popen[bytes]:
-        """`prefect worker start --pool POOL` for a `frenzy` pool (created if missing); waits until it polls."""
+    def start_worker(self, pool: str, name: str = "frenzy-worker", limit: int | None = None) -> subprocess.Popen[bytes]:
+        """`prefect worker start --pool POOL [--limit N]` for a `frenzy` pool (created if
+        missing); waits until it polls. ``limit``: runs this worker holds at once, waiting ones
+        included."""
         try:
             self.run_cli("prefect", "work-pool", "inspect", pool)
         except StackError:
             self.run_cli("prefect", "work-pool", "create", pool, "--type", "frenzy")
-        proc = self._spawn(name, [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--name", name])
+        argv = [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--name", name]
+        proc = self._spawn(name, argv + (["--limit", str(limit)] if limit else []))
         self._wait_until(name, lambda: "started!" in (self.logs / f"{name}.log").read_text(errors="replace"), 120)
         return proc
 

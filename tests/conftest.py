@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE_CLUSTER = ROOT / "blocks" / "local-hetero.yaml"
 BUCKET = "frenzy-tests"
 POOL = "frenzy"  # the pool flows/prefect.yaml deploys to
+WORKER_LIMIT = 10  # runs a test worker holds at once: a crowd of 20 spills over to a second worker
 
 
 @pytest.fixture(scope="session")
@@ -72,6 +73,6 @@ def worker_pool(stack: LocalStack, s3: str, prefect_api: str) -> str:
     pool (`prefect work-pool create`) with a worker process, and the deployments of
     flows/prefect.yaml (`prefect deploy --all`)."""
     stack.run_cli("frenzy_prefect.cli", "cluster", "save", str(EXAMPLE_CLUSTER))
-    stack.start_worker(POOL)
+    stack.start_worker(POOL, limit=WORKER_LIMIT)
     stack.run_cli("prefect", "--no-prompt", "deploy", "--all", "--prefect-file", str(ROOT / "flows" / "prefect.yaml"))
     return POOL

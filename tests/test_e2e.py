@@ -34,7 +34,7 @@ from frenzy_prefect.spec.cluster import ClusterSpec
 from frenzy_prefect.spec.result import TrainingReport
 from frenzy_prefect.storage import exists, open_uri
 
-from .conftest import BUCKET, EXAMPLE_CLUSTER
+from .conftest import BUCKET, EXAMPLE_CLUSTER, WORKER_LIMIT
 
 pytestmark = pytest.mark.e2e
 
@@ -188,7 +188,7 @@ def free_now(stack) -> dict[str, list[int]]:
 @pytest.fixture(scope="module")
 def second_worker(stack, worker_pool) -> str:
     """A second worker process on the same pool: the two share the GPU reservations."""
-    stack.start_worker(worker_pool, name="frenzy-worker-2")
+    stack.start_worker(worker_pool, name="frenzy-worker-2", limit=WORKER_LIMIT)
     return "frenzy-worker-2"
 
 
@@ -212,7 +212,7 @@ def test_a_worker_killed_with_9_leaves_no_rank_running_and_its_restart_reclaims_
             while any(is_running(p) for p in ranks):
                 assert time.monotonic() - killed < 10, "ranks still running 10 s after their worker was killed"
                 time.sleep(0.2)
-            stack.start_worker(worker_pool, name=owner)  # the restart
+            stack.start_worker(worker_pool, name=owner, limit=WORKER_LIMIT)  # the restart
             while "frenzy.reclaimed-by" not in (run := client.read_flow_run(run_id)).labels:
                 assert time.monotonic() - killed < 60, run.labels
                 time.sleep(0.5)
@@ -228,7 +228,8 @@ def test_a_worker_killed_with_9_leaves_no_rank_running_and_its_restart_reclaims_
 @pytest.fixture(scope="module")
 def crowd(stack, worker_pool, dataset, second_worker) -> list[FlowRun]:
     """Twenty training runs at once on the example cluster's four GPUs (two A10s, two T4s),
-    served by two worker processes: one and two GPUs each, 28 GPUs wanted in all."""
+    served by two worker processes (each holds at most WORKER_LIMIT runs, so both take some):
+    one and two GPUs each, 28 GPUs wanted in all."""
     shapes = [(1, "A10"), (2, "A10"), (1, "T4"), (2, "T4"), (1, "A10")]
     with stack.client_settings():
         from prefect.deployments import run_deployment
