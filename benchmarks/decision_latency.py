@@ -16,7 +16,7 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks import write_result
+from benchmarks import p99, write_result
 from benchmarks.scheduling_jct import CLUSTERS
 from frenzy_prefect.simulation.cluster import SimCluster
 from frenzy_prefect.simulation.inputs import load_cluster, load_trace, shared_traces
@@ -34,9 +34,9 @@ OCCUPANCY = 0.8
 def alibaba_subset(gpus: int) -> ClusterSpec:
     path, types = CLUSTERS["alibaba"]
     full = load_cluster(shared_traces() / path, types)
-    if gpus >= sum(n.gpu_count for n in full.nodes):
-        return full
     total = sum(n.gpu_count for n in full.nodes)
+    if gpus >= total:
+        return full
     step = total / gpus
     nodes = full.nodes[:: max(1, round(step))]
     return full.model_copy(update={"nodes": nodes, "name": f"alibaba-{gpus}"})
@@ -84,10 +84,10 @@ def main() -> None:
                         started = time.perf_counter()
                         policy.schedule(7200.0, queue, twin)
                         samples[name].append((time.perf_counter() - started) * 1e3)
-            row = {"gpus": SimCluster(spec).gpus, "queue": queue_length}
+            row = {"gpus": sum(n.gpu_count for n in spec.nodes), "queue": queue_length}
             for name, values in samples.items():
                 values.sort()
-                row[name] = {"p50_ms": statistics.median(values), "p99_ms": values[min(len(values) - 1, int(0.99 * len(values)))], "max_ms": values[-1]}
+                row[name] = {"p50_ms": statistics.median(values), "p99_ms": p99(values), "max_ms": values[-1]}
             row["ilp_over_frenzy_p50"] = row["ilp"]["p50_ms"] / row["frenzy"]["p50_ms"]
             rows.append(row)
             f, i = row["frenzy"], row["ilp"]

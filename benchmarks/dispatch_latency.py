@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import write_result
+from benchmarks import p99, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 BUCKET = "frenzy-bench"
@@ -102,7 +102,6 @@ def main() -> None:
             lat, waits = sorted(dispatch_s(sequential)), sorted(dispatch_s(queued))
 
     ok = sum(r.state.is_completed() for r in sequential + queued)
-    p99 = lambda v: v[min(len(v) - 1, int(0.99 * len(v)))]  # noqa: E731
     result = {
         "completed": ok,
         "runs": len(sequential) + len(queued),

@@ -56,6 +56,11 @@ def optimizer_step_s(updated_parameters: float, gpu: GpuType) -> float:
     return OPTIMIZER_BYTES_MOVED * updated_parameters / (gpu.memory_bandwidth_gbps * 1e9)
 
 
+def saturation(tokens: float) -> float:
+    """The fraction of peak a micro-batch of ``tokens`` per rank keeps busy."""
+    return tokens / (tokens + SATURATION_TOKENS)
+
+
 def flops_per_token(model: ModelSpec, seq_len: int, recompute: str = "none") -> float:
     attention = 12 * model.layers * model.hidden * seq_len
     extra = {"none": 0.0, "selective": 4 * model.layers * model.hidden * seq_len, "full": 2 * model.parameters + attention / 3}
@@ -90,8 +95,7 @@ def predict_step(
     tokens = global_batch * seq_len
     peak = (gpu.fp32_tflops if precision == "fp32" else gpu.half_tflops) * 1e12
     per_rank_tokens = plan.micro_batch * seq_len / plan.tp
-    saturation = per_rank_tokens / (per_rank_tokens + SATURATION_TOKENS)
-    compute = tokens * flops_per_token(model, seq_len, plan.recompute) / (plan.gpus * peak * saturation)
+    compute = tokens * flops_per_token(model, seq_len, plan.recompute) / (plan.gpus * peak * saturation(per_rank_tokens))
     compute *= 1 + (plan.pp - 1) / accumulation
 
     between = network_gbps or gpu.link_gbps

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from frenzy_prefect.allocator.placement import place
+from frenzy_prefect.allocator.plans import gpu_kinds
 from frenzy_prefect.simulation.jobs import SimJob, Waiting
 from frenzy_prefect.simulation.options import Option, frontier
 from frenzy_prefect.spec.cluster import ClusterSpec, GpuType, Node
@@ -37,9 +38,10 @@ class SimCluster:
         self.nodes_of: dict[str, list[Node]] = {}
         for node in spec.nodes:
             self.nodes_of.setdefault(node.gpu_type, []).append(node)
-        self.gpu: dict[str, GpuType] = {t: min((spec.gpu_of(n) for n in nodes), key=lambda g: g.memory_bytes) for t, nodes in self.nodes_of.items()}
-        self.total: dict[str, int] = {t: sum(n.gpu_count for n in nodes) for t, nodes in self.nodes_of.items()}
-        self.node_gpus: dict[str, int] = {t: max(n.gpu_count for n in nodes) for t, nodes in self.nodes_of.items()}
+        kinds = gpu_kinds(spec)
+        self.gpu: dict[str, GpuType] = {t: gpu for t, (gpu, _, _) in kinds.items()}
+        self.total: dict[str, int] = {t: total for t, (_, total, _) in kinds.items()}
+        self.node_gpus: dict[str, int] = {t: largest for t, (_, _, largest) in kinds.items()}
         self.free: dict[str, list[int]] = {n.name: list(range(n.gpu_count)) for n in spec.nodes}
         # Per type, nodes bucketed by how many GPUs they have free, so that placement on a
         # cluster of thousands of GPUs looks only at the nodes HAS stage 2 could pick.

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from frenzy_prefect.allocator.step_time import SATURATION_TOKENS, flops_per_token
+from frenzy_prefect.allocator.step_time import flops_per_token, saturation
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.profiling.model import PRESETS
 from frenzy_prefect.simulation.inputs import TraceJob
@@ -52,8 +52,7 @@ class SimJob:
 def reference_tokens_per_gpu_s(model: str) -> float:
     """One reference GPU's training rate for ``model`` (micro-batch 1 sequence, no recompute)."""
     gpu = GPU_CATALOG[REFERENCE_GPU]
-    saturation = SEQ_LEN / (SEQ_LEN + SATURATION_TOKENS)
-    return gpu.half_tflops * 1e12 * gpu.achievable_fraction * saturation / flops_per_token(PRESETS[model], SEQ_LEN)
+    return gpu.half_tflops * 1e12 * gpu.achievable_fraction * saturation(SEQ_LEN) / flops_per_token(PRESETS[model], SEQ_LEN)
 
 
 def to_sim_job(job: TraceJob, t0: int) -> SimJob:

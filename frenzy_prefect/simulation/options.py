@@ -4,6 +4,7 @@ and the plan a memory-unaware user would run. Cached: a trace has a handful of j
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -59,10 +60,12 @@ def frontier(model: str, global_batch: int, gpu: GpuType, max_gpus: int, node_gp
         if plan.gpus not in best or t < best[plan.gpus][0]:
             best[plan.gpus] = (t, plan)
     out: list[Option] = []
+    last = math.inf
     for gpus in sorted(best):
         t, plan = best[gpus]
-        if not out or t < (out[-1].step_s if out[-1].gpus <= node_gpus else out[-1].spread_step_s):
+        if t < last:
             out.append(option(model, global_batch, gpu, plan, network_gbps))
+            last = t
     return tuple(out)
 
 
