@@ -27,6 +27,7 @@ from frenzy_prefect.spec.request import Precision
 # Zero Bubble's split: a transformer's backward is two matrix products per forward one, one for the
 # input gradient (B) and one for the weight gradient (W), so F : B : W = 1 : 1 : 1 in FLOPs.
 ZERO_BUBBLE_SPLIT = (1.0, 1.0, 1.0)
+_COMPUTE_FIELD = {"F": "forward_s", "B": "backward_input_s", "W": "backward_weight_s"}
 
 
 class StageCosts(BaseModel):
@@ -55,7 +56,7 @@ class StageCosts(BaseModel):
             raise RecycleInputError(f"the costs describe {self.stages} stages but the schedule has pp={pp}")
 
     def compute_s(self, kind: str, stage: int) -> float:
-        return {"F": self.forward_s, "B": self.backward_input_s, "W": self.backward_weight_s}[kind][stage]
+        return getattr(self, _COMPUTE_FIELD[kind])[stage]
 
     def allreduce_s(self, stage: int, peers: int) -> float:
         """Ring all-reduce of the stage's gradients over its ``peers`` live workers."""

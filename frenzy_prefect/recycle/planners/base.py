@@ -18,7 +18,7 @@ Status = Literal["heuristic", "optimal", "time_limit"]
 class Plan(BaseModel):
     """A schedule for one failure key (on its canonical failed workers) and what it achieves."""
 
-    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
+    model_config = ConfigDict(frozen=True)
 
     key: FailureKey
     schedule: Schedule
