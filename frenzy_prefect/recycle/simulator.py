@@ -16,6 +16,7 @@ completed iteration's end.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 
 from pydantic import BaseModel, ConfigDict
@@ -116,8 +117,8 @@ class _Run:
                 self.progress += (stop - self.t) / self.cfg.iteration_s
                 self.t = stop
 
-    def apply(self, decision: Decision) -> tuple[Decision, int]:
-        """Switch to ``decision`` now; returns it as applied and the samples rolled back."""
+    def apply(self, decision: Decision) -> int:
+        """Switch to ``decision`` now; returns the samples rolled back."""
         lost = 0
         if decision.rollback:
             lost, self.completed = self.completed - self.committed, self.committed
@@ -130,7 +131,7 @@ class _Run:
             self.pending = (self.pause_until + decision.delay_s, decision)
         else:
             self.cfg, self.pending = decision, None
-        return decision, lost
+        return lost
 
 
 def _resume(decision: Decision, membership: Membership, knobs: Knobs) -> Decision:
@@ -177,13 +178,13 @@ def simulate(
     for now, group in groups.items():
         first = run.cfg is None
         run.advance(now)
-        wiped_before = bool(membership.lost_stages()) if not first else False
+        wiped_before = first or bool(membership.lost_stages())
         changes = [c for e in group for c in membership.apply(e, started=not first)]
         if any(c.kind in ("lost", "filled") for c in changes):
             change_times.append(now)
-        if not first and not wiped_before and membership.lost_stages():
+        if not wiped_before and membership.lost_stages():
             wipeouts += 1
-        decision = policy.react(View(now, membership, model, knobs, changes, first, list(change_times)))
+        decision = policy.react(View(now, membership, model, knobs, changes, first, change_times))
         if decision is None:
             continue
         if run.cfg is not None and run.cfg.iteration_s is None and decision.iteration_s is not None:
@@ -191,7 +192,7 @@ def simulate(
         if first:
             workers_at_start = membership.occupied
             decision = replace(decision, kind="start", pause_s=0.0, delay_s=0.0, rollback=False)
-        decision, lost = run.apply(decision)
+        lost = run.apply(decision)
         if decision.restore_state:
             membership.restore_state()
         events.append(RecoveryEvent(
@@ -204,9 +205,7 @@ def simulate(
     throughput = run.completed / horizon
     span = (run.last_end - run.first_start) if run.last_end is not None and run.first_start is not None else 0.0
     span_throughput = run.completed / span if span > 0 else 0.0
-    counts: dict[str, int] = {}
-    for e in events:
-        counts[e.kind] = counts.get(e.kind, 0) + 1
+    counts = dict(Counter(e.kind for e in events))
     return ResilienceResult(
         policy=type(policy).name, trace=trace.name, dp=model.dp, pp=model.pp, microbatches=model.microbatches,
         samples_per_iteration=samples_per_iteration, start_s=start, horizon_s=horizon, workers_at_start=workers_at_start,

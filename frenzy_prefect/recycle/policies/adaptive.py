@@ -23,7 +23,6 @@ class Adaptive:
     def __init__(self) -> None:
         self.layout: Layout | None = None  # None: on the original grid
         self.iteration_s: float | None = None
-        self._knobs = Knobs()
 
     def _gap(self, view: View) -> float:
         if view.knobs.expected_gap_s:
@@ -46,14 +45,13 @@ class Adaptive:
             return Decision("reroute", iteration_s, grid, pause_s=knobs.detection_s, note=note)
         return Decision("rejoin", iteration_s, grid, delay_s=knobs.state_copy_s, note=note)
 
-    def _score(self, decision: Decision | None, gap: float, on_grid: bool) -> float:
+    def _score(self, decision: Decision | None, gap: float, on_grid: bool, knobs: Knobs) -> float:
         """Iterations over this gap and the next: the switch's cost now, then the mode's cost per
         change (re-routing pays detection; a re-formed grid re-forms again)."""
         if decision is None or decision.iteration_s is None:
             return float("-inf")
         lost_in_flight = 0.0 if decision.keep_in_flight or self.iteration_s is None else self.iteration_s / 2
         now = max(0.0, gap - decision.pause_s - lost_in_flight)
-        knobs = self._knobs
         later = max(0.0, gap - (knobs.detection_s if on_grid else knobs.reconfigure_s + decision.iteration_s / 2))
         return (now + later) / decision.iteration_s
 
@@ -64,18 +62,16 @@ class Adaptive:
         if self.layout is not None and not self.layout.uses(view.lost) and not any(c.kind == "filled" for c in view.slot_changes):
             return None
         state_lost = bool(m.lost_stages()) if self.layout is None else self.layout.layers_lost(view.lost)
-        gap, self._knobs = self._gap(view), knobs
+        gap = self._gap(view)
         grid = self._on_grid(view, state_lost)
         layout = reform(view, heterogeneous=True)
         if state_lost:
             reformed = from_layout("checkpoint-restart", layout, pause_s=knobs.restart_s, rollback=True, note="a stage lost every replica; re-formed")
         else:
             reformed = from_layout("reconfigure", layout, pause_s=knobs.reconfigure_s, rollback=False, note="re-formed: faster than re-routing over the expected gap")
-        if self._score(grid, gap, True) >= self._score(reformed, gap, False):
+        if grid is not None and self._score(grid, gap, True, knobs) >= self._score(reformed, gap, False, knobs):
             chosen, self.layout = grid, None
         else:
-            chosen, self.layout = reformed, layout
-        if chosen is None:
             chosen, self.layout = reformed, layout
         self.iteration_s = chosen.iteration_s
         return chosen

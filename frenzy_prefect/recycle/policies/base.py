@@ -125,14 +125,6 @@ def reform(view: View, *, heterogeneous: bool) -> Layout | None:
     return best
 
 
-def reroutable(view: View) -> float | None:
-    """ReCycle's iteration time on the original grid now, or None when a stage has no live worker."""
-    m = view.membership
-    if m.lost_stages() or min(m.live_per_stage()) == 0:
-        return None
-    return view.model.rerouted_s(m.failures_per_stage())
-
-
 def stalled(note: str) -> Decision:
     return Decision("stall", None, "-", keep_in_flight=False, note=note)
 

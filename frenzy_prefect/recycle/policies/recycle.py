@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from frenzy_prefect.recycle.policies.base import Decision, Layout, View, from_layout, grid_label, reform, reroutable
+from frenzy_prefect.recycle.policies.base import Decision, Layout, View, from_layout, grid_label, reform
 
 
 class ReCycle:
@@ -42,9 +42,8 @@ class ReCycle:
         lost = m.lost_stages()
         if lost:
             return self._restart(view, f"stage(s) {lost} lost every replica")
-        iteration_s = reroutable(view)
-        assert iteration_s is not None
         f = m.failures_per_stage()
+        iteration_s = view.model.rerouted_s(f)
         if view.lost:
             return Decision("reroute", iteration_s, grid, pause_s=knobs.detection_s, note=f"failures per stage {f}")
         return Decision("rejoin", iteration_s, grid, delay_s=knobs.state_copy_s, note=f"failures per stage {f}")
