@@ -290,8 +290,9 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, FrenzyVariables, FrenzyWor
             host, (pid,) = host_and_pids(owner)
             if is_running(pid, group=False) if host == socket.gethostname() else run.labels.get(WORKER_LABEL) not in offline:
                 continue
-            if run.infrastructure_pid and host_and_pids(run.infrastructure_pid)[0] == socket.gethostname():
-                await stop_process_groups(host_and_pids(run.infrastructure_pid)[1], CANCEL_GRACE_S)
+            started_on, pids = host_and_pids(run.infrastructure_pid or "")
+            if started_on == socket.gethostname():
+                await stop_process_groups(pids, CANCEL_GRACE_S)
             if lease != RELEASED:
                 await self.client.release_concurrency_slots_with_lease(UUID(lease))  # a no-op once expired
             await self.client.update_flow_run_labels(run.id, {RECLAIMED_LABEL: self.name})
