@@ -6,10 +6,9 @@ import pytest
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.profiling.nodes import GpuInfo, catalog_type, node_of
 from frenzy_prefect.spec.cluster import Node
+from frenzy_prefect.units import GIB
 
 from .test_cli import frenzy
-
-GIB = 2**30
 
 
 @pytest.mark.parametrize(

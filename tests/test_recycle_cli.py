@@ -23,7 +23,6 @@ def test_plan_json_summarises_stages_and_throughput():
     assert data["stages"][1]["microbatches_per_worker"] == [16, 16]
     assert sorted(data["stages"][2]["microbatches_per_worker"]) == [10, 11, 11]
     assert data["fault_free_s"] == pytest.approx(1.0) and 0 < data["relative_throughput"] < 1
-    assert data["relative_throughput"] == pytest.approx(data["fault_free_s"] / data["iteration_s"])
     assert all(0 <= s["bubble_fraction"] < 1 for s in data["stages"])
     assert data["steady_state_period_s"] <= data["iteration_s"] * (1 + 1e-9) and data["steady_state_relative_throughput"] > 0
 

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from frenzy_prefect.recycle.cache import PlanCache, failure_keys
 from frenzy_prefect.recycle.costs import StageCosts
-from frenzy_prefect.recycle.failures import NeedsCheckpointRestart, RecycleInputError, reroute, canonical_failed
+from frenzy_prefect.recycle.failures import NeedsCheckpointRestart, RecycleInputError, canonical_failed
 from frenzy_prefect.recycle.memory import in_flight_peak
 from frenzy_prefect.recycle.planners import PLANNERS, planner
 from frenzy_prefect.recycle.planners import heuristic, milp
@@ -38,7 +38,6 @@ def test_heuristic_schedules_always_validate(case, data):
     plan = heuristic.plan(dp, pp, m, key, costs, bound)
     validate(plan.schedule, costs, bound)
     assert plan.schedule.failed == canonical_failed(dp, key)
-    assert plan.iteration_s == pytest.approx(run_timeline(plan.schedule, costs).iteration_s)
     assert plan.lower_bound_s <= plan.iteration_s * (1 + 1e-9)
 
 
@@ -51,8 +50,8 @@ def test_milp_schedules_validate_and_never_lose_to_the_heuristic(case, data):
     h = heuristic.plan(dp, pp, m, key, costs, bound)
     opt = milp.plan(dp, pp, m, key, costs, bound)
     validate(opt.schedule, costs, bound)
-    assert opt.status == "optimal"
-    assert opt.iteration_s <= h.iteration_s * (1 + 1e-6) + 1e-9
+    assert opt.status == "optimal" and opt.mip_gap is not None and opt.mip_gap <= milp.MIP_REL_GAP
+    assert opt.iteration_s <= h.iteration_s * (1 + 1e-6) + 1e-9  # the heuristic's schedule seeds the MILP
     assert opt.lower_bound_s <= opt.iteration_s * (1 + 1e-9)
 
 
@@ -132,9 +131,7 @@ def test_without_failures_deferring_w_fills_the_1f1b_bubble():
 def test_the_heuristic_uses_every_live_peer_and_respects_the_memory_bound():
     costs = StageCosts.from_fault_free_step(1.0, 4, 3, 8)
     plan = heuristic.plan(4, 3, 8, (0, 2, 0), costs, memory_bound=[3, 2, 1])
-    hosts = reroute(4, 3, 8, canonical_failed(4, (0, 2, 0)))
     assert {plan.schedule.compute_counts((p, 1)) for p in (0, 1)} == {16}
-    assert len(hosts) == 16
     peaks = [max(in_flight_peak(plan.schedule, (p, s)) for p in plan.schedule.live(s)) for s in range(3)]
     assert all(peak <= bound for peak, bound in zip(peaks, [3, 2, 1], strict=True)) and peaks[2] == 1
     opt = milp.plan(4, 3, 8, (0, 2, 0), costs, memory_bound=[3, 2, 1])

@@ -88,7 +88,7 @@ def test_action_strings_round_trip():
 def test_schedules_survive_json_and_compact_form():
     from frenzy_prefect.recycle.schedule import Schedule
 
-    schedule = one_f_one_b(2, 3, 4).replaced((1, 2), one_f_one_b(2, 3, 4).programs[(1, 2)])
+    schedule = one_f_one_b(2, 3, 4)
     assert Schedule.model_validate_json(schedule.model_dump_json()) == schedule
     compact = {f"{p},{s}": schedule.render((p, s)).split() for p, s in schedule.programs}
     assert Schedule(dp=2, pp=3, microbatches=4, programs=compact) == schedule
@@ -123,8 +123,6 @@ def test_bad_failures_are_named(call, error, message):
 @given(st.integers(2, 6), st.integers(1, 4), st.integers(1, 16), st.data())
 def test_rerouting_is_balanced_and_deterministic(dp, pp, m, data):
     failed = frozenset(data.draw(st.sets(st.tuples(st.integers(0, dp - 1), st.integers(0, pp - 1)), max_size=dp - 1)))
-    if any(sum(1 for _, s in failed if s == stage) >= dp for stage in range(pp)):
-        return
     hosts = reroute(dp, pp, m, failed)
     assert hosts == reroute(dp, pp, m, failed)
     assert set(hosts) == {(q, j, s) for q, s in failed for j in range(m)}

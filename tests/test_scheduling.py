@@ -134,7 +134,7 @@ def test_every_policy_finishes_every_job_that_fits_and_accounts_for_the_rest(pol
     assert result.jobs_completed + result.jobs_unschedulable == len(jobs)
     assert "huge" in {u.job_id for u in result.unschedulable}
     assert 0 < result.gpu_utilization <= 1
-    assert result.p50_jct_s <= result.p99_jct_s and result.decisions > 0
+    assert result.jobs_completed > 0 and result.decisions > 0
 
 
 def test_memory_unaware_policies_run_out_of_memory_and_retry_where_frenzy_does_not():
