@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from prefect import flow
+from prefect.context import FlowRunContext
 from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
 
+from frenzy_prefect.cancellation import sigterm_cancels_when_cancelling
 from frenzy_prefect.spec.plan import TrainingJob
 from frenzy_prefect.spec.request import TrainingRequest
 from frenzy_prefect.spec.result import TrainingReport, TrainingResult
@@ -50,4 +52,5 @@ def train_llm(
 @flow(name="distributed-train")
 def distributed_train(job: TrainingJob) -> TrainingResult:
     """Rank 0 of a training job (the `frenzy` worker starts the other ranks beside it)."""
-    return train_ranks(job, DistributedContext.from_env(), log=get_run_logger().info)
+    with sigterm_cancels_when_cancelling(FlowRunContext.get().flow_run.id):
+        return train_ranks(job, DistributedContext.from_env(), log=get_run_logger().info)

@@ -17,6 +17,7 @@ import httpx
 
 from frenzy_prefect.training.distributed import free_port
 
+DURABLE_LEASE_STORAGE = "prefect.server.concurrency.lease_storage.filesystem"
 LOCAL_S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "frenzy-local", "AWS_SECRET_ACCESS_KEY": "frenzy-local", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
@@ -34,6 +35,8 @@ class LocalStack:
             "PREFECT_HOME": str(self.home / "prefect"),
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
             "PREFECT_WORKER_QUERY_SECONDS": str(worker_query_seconds),
+            # GPU leases survive a server restart (the default keeps them in the server's memory).
+            "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": DURABLE_LEASE_STORAGE,
         }
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.ui_url: str | None = None
@@ -41,7 +44,7 @@ class LocalStack:
     # -- processes ----------------------------------------------------------------------------
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
-        with open(self.logs / f"{name}.log", "wb") as log:  # the child keeps its own descriptor
+        with open(self.logs / f"{name}.log", "ab") as log:  # the child keeps its own descriptor; a restart appends
             proc = subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.processes[name] = proc
         return proc
@@ -112,6 +115,19 @@ class LocalStack:
         self.env["PREFECT_API_URL"] = api
         self.ui_url = f"http://127.0.0.1:{port}"
         return api
+
+    def kill_prefect(self) -> None:
+        """Kill the Prefect server this stack started with SIGKILL (a crash: nothing is flushed)."""
+        proc = self.processes["prefect-server"]
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+    def restart_prefect(self) -> None:
+        """Start the killed Prefect server again, on the same port and database."""
+        argv = [str(a) for a in self.processes["prefect-server"].args]
+        self._spawn("prefect-server", argv)
+        api = self.env["PREFECT_API_URL"]
+        self._wait_until("prefect-server", lambda: httpx.get(f"{api}/health").status_code == 200, 120)
 
     def run_cli(self, *args: str) -> str:
         """A `prefect`/`frenzy` CLI command against this stack; its output, or StackError."""

@@ -3,27 +3,63 @@ GPU (``frenzy-gpu.CLUSTER.NODE.INDEX``, one slot), held through a lease. A run's
 in one server-side transaction (all of them or none), so two workers never hand out the same
 GPU; the holder renews the lease while its ranks run and releases it when they end. A worker
 killed with -9 stops renewing: the server's repossessor frees the GPUs once the lease expires
-(LEASE_S, Prefect's minimum, plus the repossessor's 15-second sweep)."""
+(LEASE_S, plus the repossessor's 15-second sweep), unless another worker reclaims them first.
+
+Leases live in the server's lease storage. Prefect's default keeps them in the server's memory,
+so a restart forgets them while the slots they hold stay taken in the database: every GPU held
+at that moment leaks. Run the server with a durable storage (``PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE=
+prefect.server.concurrency.lease_storage.filesystem``, as the embedded stack does, or prefect-redis's);
+a holder then rides out a restart (GpuHold keeps renewing through the outage), and takes its
+GPUs again if the outage outlasted the lease."""
 
 from __future__ import annotations
 
+import logging
+import math
+from collections.abc import Awaitable, Callable
 from uuid import UUID
 
+import anyio
 from prefect.client.orchestration import PrefectClient
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.client.schemas.objects import ConcurrencyLeaseHolder
 from prefect.exceptions import ObjectAlreadyExists, PrefectHTTPStatusError
 
+from frenzy_prefect.server_calls import patiently, without_client_retries
 from frenzy_prefect.spec.cluster import ClusterSpec, ClusterState
 from frenzy_prefect.spec.plan import Placement
 
-LEASE_S = 60.0
+LEASE_S = 120.0  # a server outage shorter than this, less RENEW_EVERY_S, loses no lease
+RENEW_EVERY_S = 15.0
 PREFIX = "frenzy-gpu"
 _PAGE = 200
+_GONE = {404, 410}  # the server no longer knows the lease: expired, revoked or forgotten
+
+logger = logging.getLogger("frenzy_prefect.reservations")
 
 
 def gpu_limit(cluster: str, node: str, index: int) -> str:
     return f"{PREFIX}.{cluster}.{node}.{index}"
+
+
+VOLATILE_LEASE_STORAGE = "prefect.server.concurrency.lease_storage.memory"
+
+
+async def volatile_lease_storage_warning(client: PrefectClient) -> str | None:
+    """What to tell an operator whose server keeps leases in memory (None when it does not, or
+    when the server does not say: Prefect Cloud has no settings route)."""
+    try:
+        response = await client._client.get("/admin/settings")
+        storage = response.json()["server"]["concurrency"]["lease_storage"] if response.status_code == 200 else None
+    except (KeyError, TypeError, ValueError, PrefectHTTPStatusError):
+        return None
+    if storage != VOLATILE_LEASE_STORAGE:
+        return None
+    return (
+        "this Prefect server keeps concurrency leases in memory: a server restart would leak every GPU reserved at that moment. "
+        "Start it with PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE=prefect.server.concurrency.lease_storage.filesystem "
+        "(one server) or prefect-redis's lease storage (several)"
+    )
 
 
 class GpuReservations:
@@ -89,3 +125,47 @@ class GpuReservations:
 
     async def release(self, lease: UUID) -> None:
         await self.client.release_concurrency_slots_with_lease(lease)
+
+
+class GpuHold:
+    """One run's GPUs, held for as long as its ranks live: the lease is renewed every RENEW_EVERY_S,
+    through server outages; if the server no longer knows it (the outage outlasted LEASE_S and the
+    repossessor freed the GPUs) the same GPUs are taken again at once. If another run took them
+    in between, ``lost`` is set and ``lost_reason`` says why: the holder must stop its ranks, since
+    a GPU is never used by two runs."""
+
+    def __init__(self, reservations: GpuReservations, placements: list[Placement], holder: UUID, lease: UUID) -> None:
+        self.reservations = reservations
+        self.placements = placements
+        self.holder = holder
+        self.lease = lease
+        self.lost = anyio.Event()
+        self.lost_reason = ""
+
+    async def keep(self, on_new_lease: Callable[[UUID], Awaitable[None]]) -> None:
+        """Renew until cancelled or lost; ``on_new_lease`` is told of a lease taken again."""
+        while True:
+            await anyio.sleep(RENEW_EVERY_S)
+            try:
+                with without_client_retries():  # through an outage, renew the moment the server is back
+                    await patiently(lambda: self.reservations.renew(self.lease), "renewing a GPU lease", math.inf, max_backoff_s=2.0)
+            except PrefectHTTPStatusError as exc:
+                if exc.response.status_code not in _GONE:
+                    raise
+                with without_client_retries():
+                    retaken = await patiently(lambda: self.reservations.acquire(self.placements, self.holder), "taking GPUs again", math.inf, 2.0)
+                if retaken is None:
+                    self.lost_reason = (
+                        f"the Prefect server forgot this run's GPU lease {self.lease} (an outage longer than {LEASE_S:.0f} s, "
+                        "or a server without durable lease storage) and other runs hold some of its GPUs now"
+                    )
+                    self.lost.set()
+                    return
+                logger.warning("GPU lease %s was gone after a server outage; took the same GPUs again as %s", self.lease, retaken)
+                self.lease = retaken
+                await on_new_lease(retaken)
+
+    async def release(self) -> None:
+        """Let the GPUs go (if the server stays unreachable, the lease expires by itself)."""
+        if not self.lost.is_set():
+            await patiently(lambda: self.reservations.release(self.lease), "releasing GPUs", patience_s=60.0)

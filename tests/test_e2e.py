@@ -302,6 +302,8 @@ def test_cancelling_a_running_training_run_stops_its_ranks_and_frees_its_gpus(st
             while client.read_flow_run(training.id).state.type != StateType.CANCELLED:
                 assert time.monotonic() - asked < 20, client.read_flow_run(training.id).state
                 time.sleep(0.5)
+            history = [s.type for s in client.read_flow_run_states(training.id)]
+            assert StateType.CRASHED not in history, f"a cancelled run should never show Crashed: {history}"
         assert wait_final(parent.id).state.is_failed()  # its train task saw the training run cancelled
 
     assert free_now(stack) == {"a10-node": [0, 1], "t4-node": [0, 1]}

@@ -1,0 +1,51 @@
+"""Rank 0 of a training run that its worker cancels reports the run Cancelled, not Crashed.
+
+The worker stops a cancelled run's ranks with SIGTERM (through torchrun). Prefect's flow engine
+turns a SIGTERM into Crashed unless its runner told it beforehand, over a loopback channel the
+`frenzy` worker does not have, that the signal means cancellation. So rank 0 asks the server:
+if its run is being cancelled when the signal arrives, it records the same intent the runner
+would have sent (Prefect 3.9's control listener), and the engine reports Cancelling, then
+Cancelled. Any other SIGTERM still reads as a crash."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from uuid import UUID
+
+from prefect._internal import control_listener
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.objects import StateType
+
+
+def _being_cancelled(flow_run_id: UUID) -> bool:
+    try:
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(flow_run_id).state
+    except Exception:  # the server away: a crash is the honest report
+        return False
+    return state is not None and state.type in (StateType.CANCELLING, StateType.CANCELLED)
+
+
+@contextmanager
+def sigterm_cancels_when_cancelling(flow_run_id: UUID) -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers belong to the main thread
+        return
+    engine_handler = signal.getsignal(signal.SIGTERM)
+
+    def handler(signum: int, frame: object) -> None:
+        if _being_cancelled(flow_run_id):
+            control_listener._set_intent("cancel")
+        if callable(engine_handler):
+            engine_handler(signum, frame)
+        else:
+            raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, engine_handler)

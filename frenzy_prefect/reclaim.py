@@ -1,0 +1,81 @@
+"""Reclaiming the runs of a `frenzy` worker that is gone (killed with -9, its machine lost).
+
+Each run a worker takes is labelled with the worker's process and its GPU lease (run_labels).
+When a worker starts, and at each heartbeat, it looks at its pool's active runs and at those
+that ended in the last RECLAIM_WINDOW_S. A run's worker counts as gone when its PID is dead on
+this host, or, on another host, when Prefect shows that worker OFFLINE. Then:
+
+- a run that was still waiting for GPUs had started nothing: it goes back to Scheduled, for any
+  worker of the pool to take, keeping its place in the GPU queue (its creation time);
+- any other run has what is left of its processes here stopped, its GPUs released at once
+  (instead of when the lease expires) and, if not final yet, is marked Crashed, naming the
+  lost worker.
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import datetime, timedelta, timezone
+from uuid import UUID
+
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterEndTime, FlowRunFilterState, FlowRunFilterStateType, WorkPoolFilter, WorkPoolFilterName
+from prefect.client.schemas.objects import FlowRun, StateType, WorkerStatus
+from prefect.states import Scheduled
+from prefect.workers.base import BaseWorker
+
+from frenzy_prefect import run_labels
+from frenzy_prefect.launch.local import host_and_pids, is_running, stop_process_groups
+from frenzy_prefect.reservations import LEASE_S
+
+RECLAIM_WINDOW_S = 3 * LEASE_S  # a lease outlives its last renewal by at most LEASE_S plus the server's sweep
+STOP_GRACE_S = 5.0
+
+
+async def reclaim_lost_runs(worker: BaseWorker) -> None:
+    """Reclaim the runs of ``worker``'s pool whose worker is gone."""
+    client = worker.client
+    pool = WorkPoolFilter(name=WorkPoolFilterName(any_=[worker._work_pool_name]))
+    active = FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.PENDING, StateType.RUNNING, StateType.CANCELLING])))
+    ended = FlowRunFilter(end_time=FlowRunFilterEndTime(after_=datetime.now(timezone.utc) - timedelta(seconds=RECLAIM_WINDOW_S)))
+    runs = [run for f in (active, ended) for run in await client.read_flow_runs(work_pool_filter=pool, flow_run_filter=f)]
+    offline = {w.name for w in await client.read_workers_for_work_pool(worker._work_pool_name) if w.status == WorkerStatus.OFFLINE}
+    for run in {run.id: run for run in runs}.values():
+        if _worker_is_gone(run, offline):
+            if run.labels.get(run_labels.WAITING_FOR) and run.state_type == StateType.PENDING:
+                await _reschedule(worker, run)
+            else:
+                await _reclaim(worker, run)
+
+
+def _worker_is_gone(run: FlowRun, offline: set[str]) -> bool:
+    owner, lease = run.labels.get(run_labels.PROCESS), run.labels.get(run_labels.LEASE, run_labels.RELEASED)
+    final = run.state is not None and run.state.is_final()
+    if not owner or owner == run_labels.this_process() or run_labels.RECLAIMED_BY in run.labels or (final and lease == run_labels.RELEASED):
+        return False
+    host, (pid,) = host_and_pids(owner)
+    if host == socket.gethostname():
+        return not is_running(pid, group=False)
+    return run.labels.get(run_labels.WORKER) in offline
+
+
+async def _reschedule(worker: BaseWorker, run: FlowRun) -> None:
+    lost = f"{run.labels.get(run_labels.WORKER)!r} ({run.labels.get(run_labels.PROCESS)})"
+    await worker.client.update_flow_run_labels(run.id, {run_labels.WAITING_FOR: "", run_labels.PROCESS: ""})
+    await worker.client.set_flow_run_state(run.id, Scheduled(message=f"Rescheduled: its frenzy worker {lost} is gone"), force=True)
+    worker.get_flow_run_logger(run).warning(
+        f"Rescheduled: its frenzy worker {lost} is gone while it waited for GPUs; it had started nothing, so any worker of the pool may take it"
+    )
+
+
+async def _reclaim(worker: BaseWorker, run: FlowRun) -> None:
+    owner, lease = run.labels.get(run_labels.PROCESS), run.labels.get(run_labels.LEASE, run_labels.RELEASED)
+    started_on, pids = host_and_pids(run.infrastructure_pid or "")
+    if started_on == socket.gethostname():
+        await stop_process_groups(pids, STOP_GRACE_S)
+    if lease != run_labels.RELEASED:
+        await worker.client.release_concurrency_slots_with_lease(UUID(lease))  # a no-op once expired
+    await worker.client.update_flow_run_labels(run.id, {run_labels.RECLAIMED_BY: worker.name})
+    message = f"its frenzy worker {run.labels.get(run_labels.WORKER)!r} ({owner}) is gone; {worker.name!r} stopped its processes and released its GPUs"
+    worker.get_flow_run_logger(run).warning(f"Reclaimed: {message}")
+    if not (run.state is not None and run.state.is_final()):
+        await worker._propose_crashed_state(run, f"Crashed: {message}")
