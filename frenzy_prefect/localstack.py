@@ -148,6 +148,8 @@ class LocalStack:
                 owner = pwd.getpwnam("postgres")
             except KeyError:
                 raise StackError("PostgreSQL refuses to run as root, and there is no `postgres` OS user to run it as") from None
+            if not shutil.which("setpriv"):
+                raise StackError("PostgreSQL refuses to run as root, and setpriv (util-linux) is missing to run it as `postgres`")
             root = Path(tempfile.mkdtemp(prefix="frenzy-postgres-"))
             self._scratch.append(root)
             os.chown(root, owner.pw_uid, owner.pw_gid)
@@ -163,9 +165,11 @@ class LocalStack:
         if as_user:
             os.chown(pwfile, owner.pw_uid, owner.pw_gid)
         initdb = [str(bin_dir / "initdb"), "-D", str(data), "-U", "prefect", f"--pwfile={pwfile}", "--auth=scram-sha-256", "-E", "UTF8", "--no-locale"]
-        with open(self.logs / "postgres-initdb.log", "wb") as log:
-            done = subprocess.run([*as_user, *initdb], env=env, stdout=log, stderr=subprocess.STDOUT, timeout=120)
-        pwfile.unlink()
+        try:
+            with open(self.logs / "postgres-initdb.log", "wb") as log:
+                done = subprocess.run([*as_user, *initdb], env=env, stdout=log, stderr=subprocess.STDOUT, timeout=120)
+        finally:
+            pwfile.unlink()
         if done.returncode:
             raise StackError(f"initdb exited with {done.returncode}:\n{self._log_tail('postgres-initdb')}")
 
