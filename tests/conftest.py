@@ -13,6 +13,9 @@ import pytest
 # Tests run against their own services, never endpoints the developer's shell points at.
 for _var in ("AWS_ENDPOINT_URL", "PREFECT_API_URL", "AWS_PROFILE"):
     os.environ.pop(_var, None)
+# The test servers log each request they answer 503 (SQLite's "database is locked"), which the
+# clients retry: the crowd tests count them, and a failure's cause is in the server's log.
+os.environ["PREFECT_SERVER_LOG_RETRYABLE_ERRORS"] = "true"
 
 from frenzy_prefect.localstack import LocalStack  # noqa: E402
 
@@ -20,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE_CLUSTER = ROOT / "blocks" / "local-hetero.yaml"
 BUCKET = "frenzy-tests"
 POOL = "frenzy"  # the pool flows/prefect.yaml deploys to
-WORKER_LIMIT = 10  # runs a test worker holds at once: a crowd of 20 spills over to a second worker
+WORKER_LIMIT = 10  # runs a test worker holds at once: a crowd of 30 spills over to a second worker
 
 
 @pytest.fixture(scope="session")
@@ -67,12 +70,18 @@ def prefect_api(stack: LocalStack) -> str:
     return stack.start_prefect()
 
 
-@pytest.fixture(scope="session")
-def worker_pool(stack: LocalStack, s3: str, prefect_api: str) -> str:
+def set_up_pool(stack: LocalStack, workers: tuple[str, ...] = ("frenzy-worker",)) -> str:
     """What a user sets up by hand: the example cluster block (`frenzy cluster save`), a `frenzy`
-    pool (`prefect work-pool create`) with a worker process, and the deployments of
+    pool (`prefect work-pool create`) with worker processes, and the deployments of
     flows/prefect.yaml (`prefect deploy --all`)."""
     stack.run_cli("frenzy_prefect.cli", "cluster", "save", str(EXAMPLE_CLUSTER))
-    stack.start_worker(POOL, limit=WORKER_LIMIT)
+    for name in workers:
+        stack.start_worker(POOL, name=name, limit=WORKER_LIMIT)
     stack.run_cli("prefect", "--no-prompt", "deploy", "--all", "--prefect-file", str(ROOT / "flows" / "prefect.yaml"))
     return POOL
+
+
+@pytest.fixture(scope="session")
+def worker_pool(stack: LocalStack, s3: str, prefect_api: str) -> str:
+    """The session stack's pool, with one worker."""
+    return set_up_pool(stack)
