@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Awaitable, Callable
 from uuid import UUID
 
@@ -146,9 +147,12 @@ class GpuHold:
         """Renew until cancelled or lost; ``on_new_lease`` is told of a lease taken again."""
         while True:
             await anyio.sleep(RENEW_EVERY_S)
+            asked = time.monotonic()
             try:
                 with without_client_retries():  # through an outage, renew the moment the server is back
                     await patiently(lambda: self.reservations.renew(self.lease), "renewing a GPU lease", math.inf, max_backoff_s=2.0)
+                if (waited := time.monotonic() - asked) > RENEW_EVERY_S:
+                    logger.warning("GPU lease %s renewed after %.0f s without the Prefect server", self.lease, waited)
             except PrefectHTTPStatusError as exc:
                 if exc.response.status_code not in _GONE:
                     raise

@@ -85,3 +85,34 @@ def test_a_held_gpu_cannot_be_taken_and_is_free_once_released(stack, prefect_api
 
     with stack.client_settings():
         asyncio.run(scenario())
+
+
+def test_the_embedded_server_keeps_leases_where_a_restart_finds_them(stack, prefect_api):
+    from frenzy_prefect.localstack import DURABLE_LEASE_STORAGE
+    from frenzy_prefect.reservations import volatile_lease_storage_warning
+
+    async def scenario() -> tuple[str, str | None]:
+        async with get_client() as client:
+            settings = (await client._client.get("/admin/settings")).json()
+            return settings["server"]["concurrency"]["lease_storage"], await volatile_lease_storage_warning(client)
+
+    with stack.client_settings():
+        storage, warning = asyncio.run(scenario())
+    assert storage == DURABLE_LEASE_STORAGE and warning is None
+
+
+def test_a_server_that_keeps_leases_in_memory_gets_a_warning_naming_the_setting(tmp_path):
+    from frenzy_prefect.localstack import LocalStack
+    from frenzy_prefect.reservations import VOLATILE_LEASE_STORAGE, volatile_lease_storage_warning
+
+    async def warning() -> str | None:
+        async with get_client() as client:
+            return await volatile_lease_storage_warning(client)
+
+    with LocalStack(tmp_path) as volatile:
+        volatile.env["PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE"] = VOLATILE_LEASE_STORAGE  # Prefect's default
+        volatile.start_prefect()
+        with volatile.client_settings():
+            said = asyncio.run(warning())
+    assert said is not None and "a server restart would leak every GPU reserved" in said
+    assert "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE=prefect.server.concurrency.lease_storage.filesystem" in said
