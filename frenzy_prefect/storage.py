@@ -43,7 +43,7 @@ ATTEMPTS = 3
 _MAX_PUT_BYTES = 5 * 2**30  # S3's limit for one PUT
 # Against a frozen peer (its kernel still acknowledging, with a closed window) Linux drops the
 # connection about 2 x TCP_USER_TIMEOUT + 1 s after the send stalls (measured: 11 s for 5 s,
-# 30.5 s for 15 s), not 1 x as against a silent one.
+# 17 s for 8 s, 30.5 s for 15 s), not 1 x as against a silent one.
 _SEND_STALL_S = 2 * SEND_TIMEOUT_S + 1
 _BACKOFF_S = 1 + 2  # botocore's standard mode sleeps up to 1 s, then up to 2 s, between tries
 # The longest one stalled operation waits before failing: every try times out, plus the backoff.
