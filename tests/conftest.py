@@ -5,9 +5,15 @@ from __future__ import annotations
 
 import os
 import random
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import pytest
 
 # Tests run against their own services, never endpoints the developer's shell points at.
@@ -41,6 +47,48 @@ def s3(stack: LocalStack) -> str:
     fs, _ = filesystem(f"s3://{BUCKET}")
     fs.mkdir(BUCKET)
     return endpoint
+
+
+@contextmanager
+def moto_server(log: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """An S3 endpoint of the caller's own (a moto server), for tests that freeze one: the
+    session's endpoint serves every other test and is never stopped. Yields (endpoint, process)."""
+    from frenzy_prefect.training.distributed import free_port
+
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    with open(log, "wb") as out:
+        argv = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", endpoint.rsplit(":", 1)[1]]
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{endpoint}/moto-api/").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, f"moto server not ready:\n{log.read_text()[-2000:]}"
+            time.sleep(0.3)
+        yield endpoint, proc
+    finally:
+        proc.send_signal(signal.SIGCONT)  # a frozen process does not act on SIGTERM
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextmanager
+def frozen(proc: subprocess.Popen[bytes]) -> Iterator[None]:
+    """The process stopped (SIGSTOP) as a hung endpoint is: its kernel still accepts connections
+    and bytes, nothing answers."""
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        proc.send_signal(signal.SIGCONT)
 
 
 def sentences(n_bytes: int, seed: int = 0) -> bytes:

@@ -1,13 +1,19 @@
 """Datasets and object storage through a real S3 endpoint (moto's server) and s3fs."""
 
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
+import torch
 
 from frenzy_prefect.errors import DatasetError, StorageUnreachable
 from frenzy_prefect.profiling.dataset import profile_dataset
-from frenzy_prefect.storage import filesystem, open_uri
+from frenzy_prefect.storage import STALL_BOUND_S, filesystem, open_uri, write_bytes
+from frenzy_prefect.training.data import TokenWindows
 from frenzy_prefect.training.distributed import free_port
 
-from .conftest import BUCKET
+from .conftest import BUCKET, frozen, moto_server
 
 
 def test_a_text_dataset_is_profiled_as_byte_tokens(dataset):
@@ -61,3 +67,50 @@ def test_open_uri_round_trips_through_s3(s3):
         f.write('{"ok": true}')
     with open_uri(uri, "r") as f:
         assert f.read() == '{"ok": true}'
+
+
+SECRET = "stalled-endpoint-secret-do-not-print"
+
+
+@pytest.mark.timeout(300)
+def test_a_stalled_endpoint_fails_reads_and_writes_in_bounded_time_naming_uri_and_endpoint(s3, tmp_path, monkeypatch):
+    """The endpoint's process stopped (SIGSTOP): connections and bytes are still accepted by its
+    kernel, nothing answers. A rank's next batch from a dataset opened before the stall, a small
+    PUT (waits for the answer) and a checkpoint-sized PUT (its body fills the socket buffers) each fail with
+    StorageUnreachable naming the URI and the endpoint, never the secret; the three run at once."""
+    with moto_server(tmp_path / "moto.log") as (endpoint, server):
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+        data = f"s3://{BUCKET}/data/stalled.txt"
+        fs, path = filesystem(data)
+        fs.mkdir(BUCKET)
+        fs.pipe_file(path, b"tokens " * 1000)
+        windows = TokenWindows(profile_dataset(data, seq_len=16, vocab_size=256), seq_len=16)  # opened (HEAD) as a rank does
+        ops = {
+            "read": (data, lambda: windows.batch(torch.Generator().manual_seed(0), 4)),  # a GET, as a rank's next batch
+            "small PUT": (small := f"s3://{BUCKET}/runs/stalled/metrics.json", lambda: write_bytes(small, b"{}")),
+            "16 MiB PUT": (big := f"s3://{BUCKET}/runs/stalled/checkpoint.pt", lambda: write_bytes(big, os.urandom(16 * 2**20))),
+        }
+
+        def timed(op):
+            started = time.monotonic()
+            try:
+                op()
+            except Exception as exc:
+                return exc, time.monotonic() - started
+            return None, time.monotonic() - started
+
+        with frozen(server), ThreadPoolExecutor(len(ops)) as pool:
+            outcomes = dict(zip(ops, pool.map(timed, [op for _, op in ops.values()]), strict=True))
+        took = {name: f"{seconds:.1f} s" for name, (_, seconds) in outcomes.items()}
+        for name, (uri, _) in ops.items():
+            error, seconds = outcomes[name]
+            assert isinstance(error, StorageUnreachable), f"{name}: {error!r} after {seconds:.1f} s"
+            message = str(error)
+            assert uri in message and endpoint in message and "did not answer within" in message, message
+            assert SECRET not in message
+        # Each op gives up on its own, well within its bound (measured ~47 s for the read and the
+        # small PUT, ~52 s for the large one); the pytest timeout is the hard limit.
+        assert all(seconds < 2 * STALL_BOUND_S for _, seconds in outcomes.values()), took
+        inputs, _ = windows.batch(torch.Generator().manual_seed(0), 4)  # the endpoint back, the same file reads again
+        assert inputs.shape == (4, 16)

@@ -3,12 +3,16 @@
 import asyncio
 import io
 import json
+import multiprocessing
 import os
 import sys
 
 import pytest
 import torch
 
+import torch.distributed as dist
+
+from frenzy_prefect.errors import StorageUnreachable
 from frenzy_prefect.launch.local import is_running, start_local
 from frenzy_prefect.launch.torchrun import rank_launches
 from frenzy_prefect.memory import estimate
@@ -19,7 +23,7 @@ from frenzy_prefect.spec.cluster import ClusterSpec
 from frenzy_prefect.spec.plan import Allocation, ParallelPlan, Placement, TrainingJob
 from frenzy_prefect.spec.request import TrainingRequest
 from frenzy_prefect.storage import exists, filesystem, open_uri
-from frenzy_prefect.training.distributed import DistributedContext, free_port
+from frenzy_prefect.training.distributed import DistributedContext, PeerFailed, free_port, together
 from frenzy_prefect.training.gpt import GPT
 from frenzy_prefect.training.trainer import train
 
@@ -92,3 +96,53 @@ def test_a_lone_rank_trains_with_full_recomputation(dataset, precision):
     assert result.losses[-1] < result.losses[0] - 0.5
     assert lines[0].startswith("step 1/15 loss") and lines[-1] == f"checkpoint written to {job.checkpoint_uri}"
     assert exists(job.checkpoint_uri)
+
+
+STALLED = "the object store holding s3://b/x.bin (endpoint http://127.0.0.1:9) did not answer within 47 s: ReadTimeoutError"
+
+
+def _together_rank(rank: int, port: int, outcomes) -> None:
+    """One of two gloo ranks: a round where all succeed, one where rank 1 fails, one where rank 0 does."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    ctx = DistributedContext(rank=rank, world_size=2)
+    ctx.init_process_group()
+
+    def failing_on(bad: int):
+        def action() -> int:
+            if rank == bad:
+                raise StorageUnreachable(STALLED)
+            return rank
+
+        return action
+
+    try:
+        outcomes.put((rank, "ok", together(ctx, lambda: rank)))
+        for bad in (1, 0):
+            try:
+                together(ctx, failing_on(bad))
+            except (StorageUnreachable, PeerFailed) as exc:
+                outcomes.put((rank, type(exc).__name__, str(exc)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rank_that_cannot_reach_storage_has_rank_0_report_why_and_the_others_stop_quietly():
+    """torchrun stops every rank once one exits non-zero, so rank 0 must raise the cause (its run's
+    state) and the others PeerFailed (they exit 0), whichever rank failed."""
+    spawn = multiprocessing.get_context("spawn")
+    outcomes, port = spawn.Queue(), free_port()
+    ranks = [spawn.Process(target=_together_rank, args=(r, port, outcomes)) for r in (0, 1)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(timeout=120)
+    assert [p.exitcode for p in ranks] == [0, 0]
+    got = {outcomes.get(timeout=5) for _ in range(6)}
+    assert got == {
+        (0, "ok", 0),
+        (1, "ok", 1),
+        (0, "StorageUnreachable", f"on rank 1, {STALLED}"),  # rank 1's, with the rank named
+        (1, "PeerFailed", "rank 1 stops: rank 0 reports the failure of rank(s) [1]"),
+        (0, "StorageUnreachable", STALLED),  # its own
+        (1, "PeerFailed", "rank 1 stops: rank 0 reports the failure of rank(s) [0]"),
+    }

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveInt
+
+from frenzy_prefect.errors import StorageUnreachable
+
+T = TypeVar("T")
 
 # Long enough for the slowest rank to import torch and read its first batch, short enough that
 # a rank that never arrives fails the job instead of hanging it.
@@ -53,3 +59,40 @@ class DistributedContext(BaseModel):
         else:
             init = f"tcp://127.0.0.1:{free_port()}"
         dist.init_process_group(self.backend, init_method=init, rank=self.rank, world_size=self.world_size, timeout=INIT_TIMEOUT)
+
+
+class PeerFailed(RuntimeError):
+    """Another rank failed and rank 0 reports why. This rank ends quietly (exit 0): exiting
+    non-zero would let torchrun stop rank 0 before it had reported the cause to Prefect."""
+
+
+def together(ctx: DistributedContext, action: Callable[[], T]) -> T:
+    """``action`` on this rank, then every rank learns whether any rank's failed (one small
+    all-reduce; all ranks must call this at the same point). On a failure anywhere, rank 0
+    raises it (its own, else the first failed rank's) and the other ranks raise PeerFailed, so
+    that the run's state names the cause rather than 'aborted by a termination signal'."""
+    try:
+        result, error = action(), None
+    except Exception as exc:
+        result, error = None, exc
+    if ctx.world_size == 1 or not dist.is_initialized():
+        if error is not None:
+            raise error
+        return result
+    failed = torch.tensor([error is not None], dtype=torch.int32, device=ctx.device)
+    dist.all_reduce(failed)
+    if not failed.item():
+        return result
+    reports: list[tuple[bool, str] | None] = [None] * ctx.world_size
+    report = None if error is None else (isinstance(error, StorageUnreachable), f"{type(error).__name__}: {error}")
+    dist.all_gather_object(reports, report)
+    failed_ranks = [r for r, rep in enumerate(reports) if rep is not None]
+    if ctx.rank != 0:
+        raise PeerFailed(f"rank {ctx.rank} stops: rank 0 reports the failure of rank(s) {failed_ranks}") from error
+    if error is not None:
+        raise error
+    rank = failed_ranks[0]
+    storage, message = reports[rank]
+    if storage:
+        raise StorageUnreachable(f"on rank {rank}, {message.removeprefix('StorageUnreachable: ')}")
+    raise RuntimeError(f"rank {rank} failed: {message}")

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import os
 import runpy
+import sys
 
 from frenzy_prefect.spec.plan import TrainingJob
-from frenzy_prefect.training.distributed import DistributedContext
+from frenzy_prefect.training.distributed import DistributedContext, PeerFailed
 from frenzy_prefect.training.trainer import train
 
 JOB_ENV = "FRENZY_TRAINING_JOB"
@@ -21,7 +22,11 @@ def main() -> None:
     if ctx.rank == 0 and os.environ.get("PREFECT__FLOW_RUN_ID"):
         runpy.run_module("prefect.engine", run_name="__main__", alter_sys=True)
         return
-    train(TrainingJob.model_validate_json(os.environ[JOB_ENV]), ctx, log=lambda _: None)
+    try:
+        train(TrainingJob.model_validate_json(os.environ[JOB_ENV]), ctx, log=lambda _: None)
+    except PeerFailed as exc:  # exit 0: rank 0 reports the failure to Prefect and exits non-zero
+        cause = f" ({type(exc.__cause__).__name__}: {exc.__cause__})" if exc.__cause__ else ""
+        print(f"{exc}{cause}", file=sys.stderr)
 
 
 if __name__ == "__main__":

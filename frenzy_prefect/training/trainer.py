@@ -17,7 +17,7 @@ from frenzy_prefect.spec.request import OptimizerSettings
 from frenzy_prefect.spec.result import TrainingResult
 from frenzy_prefect.storage import write_bytes
 from frenzy_prefect.training.data import TokenWindows
-from frenzy_prefect.training.distributed import DistributedContext
+from frenzy_prefect.training.distributed import DistributedContext, together
 from frenzy_prefect.training.engine import Engine
 
 
@@ -55,13 +55,18 @@ def train(job: TrainingJob, ctx: DistributedContext, log: Callable[[str], None] 
             job.model, plan, precision=request.precision, optimizer=request.optimizer, accumulation=accumulation,
             seed=request.seed, rank=ctx.rank, device=device, lr_factor=lambda s: lr_factor(s, request.steps, request.optimizer),
         )  # fmt: skip
-        data = TokenWindows(job.dataset, request.seq_len)
+        # Every rank's reads and rank 0's checkpoint go through `together`: a rank that cannot
+        # reach storage fails the run with its reason, reported by rank 0.
+        data = together(ctx, lambda: TokenWindows(job.dataset, request.seq_len))
         generator = torch.Generator().manual_seed(request.seed * 1_000_003 + ctx.rank)
         tokens_per_step = request.global_batch * request.seq_len
 
+        def next_batches() -> list[tuple[torch.Tensor, ...]]:
+            return [tuple(t.to(device) for t in data.batch(generator, plan.micro_batch)) for _ in range(accumulation)]
+
         losses: list[float] = []
         for step in range(1, request.steps + 1):
-            batches = [tuple(t.to(device) for t in data.batch(generator, plan.micro_batch)) for _ in range(accumulation)]
+            batches = together(ctx, next_batches)
             step_loss = torch.tensor(engine.step(batches), device=device)
             if ctx.world_size > 1:
                 dist.all_reduce(step_loss)
@@ -81,7 +86,8 @@ def train(job: TrainingJob, ctx: DistributedContext, log: Callable[[str], None] 
             wall_s=elapsed,
             tokens_per_s=request.steps * tokens_per_step / elapsed,
         )
-        if ctx.rank == 0:
+
+        def save() -> None:
             buffer = io.BytesIO()
             torch.save(
                 {
@@ -98,8 +104,8 @@ def train(job: TrainingJob, ctx: DistributedContext, log: Callable[[str], None] 
             # metrics.json last: its presence means the checkpoint is complete.
             write_bytes(job.metrics_uri, result.model_dump_json(indent=2).encode())
             log(f"checkpoint written to {job.checkpoint_uri}")
-        if ctx.world_size > 1:
-            dist.barrier()
+
+        together(ctx, save if ctx.rank == 0 else lambda: None)  # the other ranks wait for rank 0's write
         return result
     finally:
         dist.destroy_process_group()
