@@ -215,10 +215,11 @@ class LocalStack:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
 
-    def restart_prefect(self) -> None:
-        """Start the killed Prefect server again, on the same port and database."""
+    def restart_prefect(self, **settings: str) -> None:
+        """Start the killed Prefect server again, on the same port and database (``settings``:
+        environment variables to change for it)."""
         argv = [str(a) for a in self.processes["prefect-server"].args]
-        self._spawn("prefect-server", argv, self._spawn_envs["prefect-server"])
+        self._spawn("prefect-server", argv, self._spawn_envs["prefect-server"] | settings)
         api = self.env["PREFECT_API_URL"]
         self._wait_until("prefect-server", lambda: httpx.get(f"{api}/health").status_code == 200, 120)
 

@@ -151,6 +151,8 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, FrenzyVariables, FrenzyWor
             finally:
                 with anyio.CancelScope(shield=True):
                     await self._release(flow_run, job, hold)
+            if hold.lost.is_set():
+                await self._propose_crashed_state(flow_run, f"Crashed: every rank was stopped: {hold.lost_reason}")
         if cancelled:
             return await self._cancelled(flow_run, "Cancelled: every rank stopped", identifier=result.identifier)
         return result

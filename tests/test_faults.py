@@ -6,7 +6,9 @@ disturbs no other test.
 - A worker killed with -9 while its run waits for GPUs: the run goes back to Scheduled and the
   other worker trains it.
 - The server killed with -9 and restarted mid-run: the ranks keep training, their GPUs stay
-  held, cancelling works afterwards, and nothing is left held."""
+  held, cancelling works afterwards, and nothing is left held. Restarted without durable lease
+  storage, the server forgets the lease: the worker stops the ranks rather than let them train
+  on GPUs nobody holds."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from prefect.states import Cancelling
 
 from frenzy_prefect.launch.local import host_and_pids, is_running
 from frenzy_prefect.localstack import LocalStack
-from frenzy_prefect.reservations import RENEW_EVERY_S, GpuReservations
+from frenzy_prefect.reservations import RENEW_EVERY_S, VOLATILE_LEASE_STORAGE, GpuReservations
 from frenzy_prefect.spec.cluster import ClusterSpec
 
 from .conftest import BUCKET, EXAMPLE_CLUSTER, POOL, ROOT
@@ -155,9 +157,8 @@ def test_a_server_killed_with_9_and_restarted_loses_neither_the_ranks_nor_their_
     time.sleep(5)
     faults.restart_prefect()
     restarted = time.monotonic()
-    # Past two renewals: had the server forgotten the lease, its renewal would have failed and the
-    # worker, unable to take the GPUs again (leaked, or free and taken by the test), would have
-    # stopped the ranks.
+    # Past two renewals: had the server forgotten the lease, the renewal would have failed and the
+    # worker, unable to take the leaked GPUs again, would have stopped the ranks (the next test).
     while time.monotonic() - restarted < 2 * RENEW_EVERY_S + 5:
         assert all(is_running(p) for p in ranks), "a rank stopped after the server restart"
         assert free_now(faults)["a10-node"] == [], "the running ranks' GPUs were freed"
@@ -172,3 +173,18 @@ def test_a_server_killed_with_9_and_restarted_loses_neither_the_ranks_nor_their_
     assert time.monotonic() - asked < 20
     assert final(faults, run_id, timeout_s=30).state.type == StateType.CANCELLED
     all_free(faults)
+
+
+def test_a_server_that_forgets_leases_in_a_restart_has_the_ranks_stopped_not_sharing_gpus(faults, dataset):
+    """Prefect's default, in-memory lease storage loses the lease in a restart while the GPUs'
+    slots stay taken: the worker cannot take them again, so it stops the ranks and says why
+    (the alternative, ranks training on GPUs nobody holds, could hand a GPU to two runs)."""
+    run_id = submit(faults, dataset, gpus=2, gpu_type="A10", steps=100_000, name="forgetful-server")
+    logged(faults, run_id, "step ")
+    _, ranks = host_and_pids(read(faults, run_id).infrastructure_pid)
+
+    faults.kill_prefect()
+    faults.restart_prefect(PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE=VOLATILE_LEASE_STORAGE)
+    wait_for("the ranks to be stopped", lambda: not any(is_running(p) for p in ranks), 2 * RENEW_EVERY_S + 30)
+    run = final(faults, run_id, timeout_s=60)
+    assert run.state.is_crashed() and "the Prefect server forgot this run's GPU lease" in run.state.message, run.state
