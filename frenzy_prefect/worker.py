@@ -49,7 +49,6 @@ from frenzy_prefect.launch.ssh import SSH_UNREACHABLE, SshSettings, start_ssh
 from frenzy_prefect.launch.torchrun import rank_launches
 from frenzy_prefect.reservations import LEASE_S, GpuReservations
 from frenzy_prefect.spec.plan import TrainingJob
-from frenzy_prefect.training.distributed import free_port
 
 JOB_PARAMETER = "job"
 RETRY_S = 2.0  # how often a waiting run looks at the reservations again
@@ -138,7 +137,7 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, FrenzyVariables, FrenzyWor
         env = {k: v for k, v in {**os.environ, **configuration.env}.items() if v is not None}
         if job is None:
             return [Launch(host="127.0.0.1", argv=shlex.split(configuration.command or ""), env=env)]
-        return rank_launches(job, python=sys.executable, master_port=free_port(), env=env)
+        return rank_launches(job, python=sys.executable, env=env)  # the launcher picks the rendezvous port on the first node
 
     async def run(
         self,

@@ -19,7 +19,7 @@ from frenzy_prefect.spec.cluster import ClusterSpec
 from frenzy_prefect.spec.plan import Allocation, ParallelPlan, Placement, TrainingJob
 from frenzy_prefect.spec.request import TrainingRequest
 from frenzy_prefect.storage import exists, filesystem, open_uri
-from frenzy_prefect.training.distributed import DistributedContext, free_port
+from frenzy_prefect.training.distributed import DistributedContext
 from frenzy_prefect.training.gpt import GPT
 from frenzy_prefect.training.trainer import train
 
@@ -44,7 +44,7 @@ def make_job(dataset: DatasetInfo, output: str, plan: ParallelPlan, placements: 
 
 def launch(job: TrainingJob) -> tuple[int, list[int]]:
     async def run():
-        group = await start_local(rank_launches(job, python=sys.executable, master_port=free_port(), env=dict(os.environ)))
+        group = await start_local(rank_launches(job, python=sys.executable, env=dict(os.environ)))
         return await group.wait(), group.pids
 
     return asyncio.run(run())

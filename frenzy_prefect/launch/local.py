@@ -15,6 +15,7 @@ from pathlib import Path
 
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.launch.command import Launch
+from frenzy_prefect.launch.remote import free_port
 
 
 def is_local(host: str) -> bool:
@@ -67,10 +68,18 @@ def host_and_pids(identifier: str) -> tuple[str, list[int]]:
 class ProcessGroup:
     """The running commands of one job."""
 
-    def __init__(self, processes: list[asyncio.subprocess.Process], hosts: list[str] | None = None):
+    def __init__(
+        self,
+        processes: list[asyncio.subprocess.Process],
+        hosts: list[str] | None = None,
+        rendezvous_port: int | None = None,
+        readers: list[asyncio.Future] | None = None,
+    ):
         self.processes = processes
         self.hosts = hosts or ["127.0.0.1"] * len(processes)
         self.failed_host: str | None = None  # where the first failure happened
+        self.rendezvous_port = rendezvous_port  # the port given to the launches' port_env, picked on the first one's host
+        self.readers = readers or []  # tasks reading the processes' output, kept alive with them
 
     @property
     def pids(self) -> list[int]:
@@ -104,12 +113,13 @@ async def start_local(launches: list[Launch], cwd: Path | None = None) -> Proces
             "declare those nodes with host 127.0.0.1 or use a launcher that reaches them"
         )
     threads = max(1, (os.cpu_count() or 1) // sum(l.processes for l in launches))
+    port = free_port() if any(l.port_env for l in launches) else None  # every host is this one
     processes: list[asyncio.subprocess.Process] = []
     try:
         for launch in launches:
-            env = {"OMP_NUM_THREADS": str(threads), **launch.env}
+            env = {"OMP_NUM_THREADS": str(threads), **launch.env, **({launch.port_env: str(port)} if launch.port_env else {})}
             processes.append(await spawn(launch.argv, env=env, cwd=cwd))
     except BaseException:
         await stop_process_groups([p.pid for p in processes], grace_s=5)
         raise
-    return ProcessGroup(processes)
+    return ProcessGroup(processes, rendezvous_port=port)
