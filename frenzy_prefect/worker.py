@@ -42,6 +42,7 @@ from prefect.workers.base import BaseJobConfiguration, BaseVariables, BaseWorker
 from pydantic import Field
 
 from frenzy_prefect.allocator.placement import place
+from frenzy_prefect.crash import crash_naming_the_cause
 from frenzy_prefect.launch.command import Launch
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.launch.local import ProcessGroup, host_and_pids, is_running, start_local, stop_process_groups
@@ -249,6 +250,9 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, FrenzyVariables, FrenzyWor
             watch.start_soon(stop_when_cancelling)
             code = await group.wait()
             watch.cancel_scope.cancel()
+        if code != 0 and group.failure and not cancelled.is_set():  # issue 12, 7c: name the rank, node and signal
+            logger.error(group.failure)
+            await crash_naming_the_cause(self.client, flow_run.id, group.failure)
         if code == SSH_UNREACHABLE and configuration.launcher == "ssh":
             logger.error(
                 f"ssh to {group.failed_host} failed (exit {code}): the host is unreachable, refused the key, or its host key "

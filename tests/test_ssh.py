@@ -137,6 +137,31 @@ def test_stopping_the_ssh_client_stops_the_remote_command(sshd, tmp_path):
     assert not marker.exists(), "the remote command outlived its ssh client"
 
 
+@pytest.mark.faults
+def test_a_remote_rank_killed_with_sigkill_is_named_through_the_connection(sshd):
+    """The remote end relays its command's account of a failure (what torchrun writes when a rank
+    dies: the global rank, the rank's PID, its exit status) once the command has exited; a
+    command that leaves none is named by its own (remote) PID. Stand-ins for torchrun here: the
+    real agent's account is tested locally (test_worker)."""
+    rank_dies = (
+        "import os, signal\n"
+        "from frenzy_prefect.launch.failure import write_report\n"
+        "write_report({'rank': 3, 'local_rank': 1, 'pid': 4242, 'exitcode': -9})\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    dies = "import os, pathlib, signal\npathlib.Path(os.environ['OUT']).write_text(str(os.getpid()))\nos.kill(os.getpid(), signal.SIGKILL)\n"
+
+    async def run(launch: Launch) -> tuple[int, str | None]:
+        group = await start_ssh([launch], sshd)
+        return await group.wait(), group.failure
+
+    code, failure = asyncio.run(run(Launch(host="127.0.0.1", node="gpu-3", argv=[sys.executable, "-c", rank_dies])))
+    assert code == 128 + signal.SIGKILL and failure == "rank 3 on gpu-3 (pid 4242) was killed by SIGKILL"
+    out = sshd.identity_file.parent / "remote-pid"
+    code, failure = asyncio.run(run(Launch(host="127.0.0.1", argv=[sys.executable, "-c", dies], env={"OUT": str(out)})))
+    assert failure == f"the command on 127.0.0.1 (pid {out.read_text()}) was killed by SIGKILL"
+
+
 @pytest.mark.parametrize("case", ["nothing listens", "unknown host key"])
 def test_an_unreachable_or_untrusted_host_fails_with_the_host_named(sshd, tmp_path, case):
     if case == "nothing listens":

@@ -9,7 +9,10 @@ client or died, the command's whole process group is stopped: nothing outlives i
 Its stdout is a channel to the launcher: lines ``frenzy-remote: {JSON}``, nothing else (the
 command's stdout goes to stderr, with the command's stderr). With ``port_env`` set, it first
 picks a TCP port free on this host, reports ``{"port": N}`` and gives the port to the command
-in that variable: the job's rendezvous listens here, so its port must be free here.
+in that variable: the job's rendezvous listens here, so its port must be free here. When the
+command ends it reports ``{"exit": {"pid", "exitcode", ...}}``, with what the command left in
+its failure file (failure.py: which rank failed, and how), and exits with the command's code
+(128 + N for a command killed by signal N).
 """
 
 from __future__ import annotations
@@ -20,8 +23,11 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+
+from frenzy_prefect.launch.failure import FAILURE_FILE_ENV, read_report
 
 GRACE_S = 5.0
 MESSAGE = "frenzy-remote: "  # the prefix of a message line on stdout
@@ -59,16 +65,20 @@ def main() -> int:
         env[spec["port_env"]] = str(port)
         say(port=port)
         print(f"frenzy: rendezvous port {port} picked free on {socket.gethostname()}", file=sys.stderr, flush=True)
-    child = subprocess.Popen(spec["argv"], env=env, cwd=spec.get("cwd"), start_new_session=True, stdout=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="frenzy-remote-") as scratch:
+        env[FAILURE_FILE_ENV] = os.path.join(scratch, "failure.json")
+        child = subprocess.Popen(spec["argv"], env=env, cwd=spec.get("cwd"), start_new_session=True, stdout=sys.stderr)
 
-    def stop_on_eof() -> None:
-        sys.stdin.read()  # returns when the worker's side of the connection goes away
-        _stop(child)
+        def stop_on_eof() -> None:
+            sys.stdin.read()  # returns when the worker's side of the connection goes away
+            _stop(child)
 
-    threading.Thread(target=stop_on_eof, daemon=True).start()
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        signal.signal(sig, lambda *_: _stop(child))
-    return child.wait()
+        threading.Thread(target=stop_on_eof, daemon=True).start()
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            signal.signal(sig, lambda *_: _stop(child))
+        code = child.wait()
+        say(exit={"pid": child.pid, "exitcode": code, **(read_report(env[FAILURE_FILE_ENV]) or {})})
+    return 128 - code if code < 0 else code
 
 
 if __name__ == "__main__":

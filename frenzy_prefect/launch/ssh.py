@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.launch.command import Launch
-from frenzy_prefect.launch.local import ProcessGroup, spawn, stop_process_groups
+from frenzy_prefect.launch.local import Account, ProcessGroup, spawn, stop_process_groups
 from frenzy_prefect.launch.remote import MESSAGE
 
 SSH_UNREACHABLE = 255  # ssh's own exit code: connection, authentication or host key failure
@@ -132,4 +132,15 @@ async def start_ssh(launches: list[Launch], settings: SshSettings, cwd: Path | N
     except BaseException:
         await stop_process_groups([p.pid for p in processes], grace_s=5)
         raise
-    return ProcessGroup(processes, hosts=[l.host for l in launches[: len(processes)]], rendezvous_port=port, readers=[c.reader for c in channels])
+
+    def account(i: int) -> Account:
+        async def read() -> dict[str, object]:
+            report = await channels[i].get("exit")  # the remote end's last message, just before it exits
+            if isinstance(report, dict):
+                return report
+            # No account: ssh itself failed (255) or the remote end was killed.
+            return {"command": "ssh", "pid": processes[i].pid, "exitcode": processes[i].returncode}
+
+        return read
+
+    return ProcessGroup(processes, launches, rendezvous_port=port, accounts=[account(i) for i in range(len(processes))], readers=[c.reader for c in channels])

@@ -20,7 +20,7 @@ def rank_launches(job: TrainingJob, *, python: str, env: dict[str, str]) -> list
     launches = []
     for node_rank, placement in enumerate(placements):
         argv = [
-            python, "-m", "torch.distributed.run",
+            python, "-m", "frenzy_prefect.launch.agent",  # torchrun, telling the launcher which rank failed
             f"--nnodes={len(placements)}",
             f"--node-rank={node_rank}",
             f"--nproc-per-node={len(placement.gpus)}",
