@@ -4,6 +4,7 @@ a rank that dies is named with its node, PID and signal."""
 import asyncio
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ from frenzy_prefect.spec.plan import ParallelPlan, Placement
 from frenzy_prefect.training.entry import JOB_ENV
 from frenzy_prefect.worker import FrenzyJobConfiguration, FrenzyWorker, training_job_of
 
-from .conftest import BUCKET
+from .conftest import BUCKET, ROOT
 from .test_training import NANO, make_job, unchecked
 
 
@@ -120,3 +121,33 @@ def test_a_command_without_ranks_is_named_by_its_node_and_pid():
 
     code, pid, group = asyncio.run(scenario())
     assert code == -signal.SIGKILL and group.failure == f"the command on n0 (pid {pid}) was killed by SIGKILL"
+
+
+def test_cancelling_the_wait_stops_every_command_at_once():
+    """A stopping worker cancels its runs: their processes get SIGTERM then, instead of running on
+    (and competing for the CPU with the worker's shutdown) until the parent-death signal at its
+    exit."""
+
+    async def scenario() -> list[int]:
+        group = await start_local([Launch(host="127.0.0.1", argv=["sleep", "60"]), Launch(host="127.0.0.1", argv=["sh", "-c", "sleep 60 & wait"])])
+        waiting = asyncio.ensure_future(group.wait())
+        await asyncio.sleep(0.5)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        return group.pids
+
+    pids = asyncio.run(scenario())
+    deadline = time.monotonic() + 20  # a failure guard, not a timing: SIGTERM ends sleep at once
+    while any(is_running(p) for p in pids):
+        assert time.monotonic() < deadline, "commands still running after their wait was cancelled"
+        time.sleep(0.1)
+
+
+def test_the_worker_process_does_not_import_torch():
+    """`prefect worker start` loads the worker through the collection entry point; torch (seconds
+    to import, and more to tear down at exit) is for the ranks, never the worker."""
+    probe = "import sys, frenzy_prefect.collection\nprint(sorted(m for m in ('torch', 'deepspeed') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

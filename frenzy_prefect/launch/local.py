@@ -110,7 +110,7 @@ class ProcessGroup:
 
     async def wait(self, grace_s: float = 10.0) -> int:
         """Wait for every command; on the first failure describe it (``failure``) and stop the
-        rest. The first non-zero exit code, or 0."""
+        rest. The first non-zero exit code, or 0. Cancelled, it sends every command SIGTERM."""
         pending = {asyncio.ensure_future(p.wait()): i for i, p in enumerate(self.processes)}
         first_failure = 0
         try:
@@ -123,6 +123,13 @@ class ProcessGroup:
                         first_failure, self.failed_host = code, self.hosts[i]
                         self.failure = await self._describe(i, code)
                         await stop_process_groups([self.processes[j].pid for j in pending.values()], grace_s)
+        except asyncio.CancelledError:
+            # The waiter is going away (a stopping worker cancels its runs): the commands stop now,
+            # not when the parent-death signal reaches them at the worker's exit, competing with its
+            # shutdown for the CPU until then. No grace to wait out here: torchrun stops its ranks.
+            for j in pending.values():
+                _signal(self.processes[j].pid, signal.SIGTERM)
+            raise
         finally:
             if self._scratch is not None:
                 self._scratch.cleanup()

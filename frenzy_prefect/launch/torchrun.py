@@ -8,8 +8,7 @@ node, the host where the rendezvous listens (see Launch.port_env)."""
 from __future__ import annotations
 
 from frenzy_prefect.launch.command import Launch
-from frenzy_prefect.spec.plan import TrainingJob
-from frenzy_prefect.training.entry import JOB_ENV
+from frenzy_prefect.spec.plan import JOB_ENV, TrainingJob
 
 MASTER_PORT_ENV = "PET_MASTER_PORT"
 

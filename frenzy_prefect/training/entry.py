@@ -9,11 +9,9 @@ from __future__ import annotations
 import os
 import runpy
 
-from frenzy_prefect.spec.plan import TrainingJob
+from frenzy_prefect.spec.plan import JOB_ENV, TrainingJob
 from frenzy_prefect.training.distributed import DistributedContext
 from frenzy_prefect.training.trainer import train
-
-JOB_ENV = "FRENZY_TRAINING_JOB"
 
 
 def main() -> None:
