@@ -77,7 +77,10 @@ def main() -> int:
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
             signal.signal(sig, lambda *_: _stop(child))
         code = child.wait()
-        say(exit={"pid": child.pid, "exitcode": code, **(read_report(env[FAILURE_FILE_ENV]) or {})})
+        try:
+            say(exit={"pid": child.pid, "exitcode": code, **(read_report(env[FAILURE_FILE_ENV]) or {})})
+        except OSError:  # the launcher's side is gone (it stopped this job): nobody to tell
+            pass
     return 128 - code if code < 0 else code
 
 
