@@ -3,7 +3,8 @@
 Starts a local S3 endpoint (moto) and a Prefect server on SQLite unless the environment points
 at real ones, uploads a small text dataset, saves the example heterogeneous cluster as a
 FrenzyCluster block, deploys the flows to a `frenzy` work pool, starts a worker, runs the
-`train-llm/frenzy` deployment and prints what it chose and produced. Stops what it started.
+`train-llm/frenzy` deployment and prints what it chose and produced. Stops what it started,
+also when stopped early with Ctrl-C, SIGTERM or SIGHUP.
 
     python examples/quickstart.py [--steps N] [--keep-running]
 """
@@ -114,12 +115,20 @@ def main() -> int:
         print(f"Checkpoint:     {report.result.checkpoint}")
         print(f"Wall time:      {time.perf_counter() - started:.1f} s")
         if args.keep_running:
-            print(f"\nServices stay up; browse {stack.ui_url}. Ctrl-C stops them.")
-            signal.sigwait({signal.SIGINT, signal.SIGTERM})
+            print(f"\nServices stay up; browse {stack.ui_url}. Ctrl-C (or SIGTERM, SIGHUP) stops them.", flush=True)
+            try:
+                while True:
+                    signal.pause()
+            except KeyboardInterrupt:  # how LocalStack delivers SIGTERM and SIGHUP too
+                print("Stopping the services ...", flush=True)
         else:
             print(f"\nTo browse the runs later: PREFECT_HOME={args.home / 'prefect'} prefect server start, then open the UI.")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt as stop:  # Ctrl-C, SIGTERM or SIGHUP before the end: the stack is already stopped
+        print(f"\nInterrupted ({stop or 'SIGINT'}); stopped everything this demo started.", file=sys.stderr)
+        sys.exit(130)

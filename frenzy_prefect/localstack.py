@@ -1,6 +1,7 @@
 """The embedded default stack: a Prefect server on SQLite, an S3 endpoint (moto's server) and a
-`frenzy` worker, each a real process on 127.0.0.1, stopped by PID. Whatever the environment
-already points at (PREFECT_API_URL, AWS_ENDPOINT_URL) is used instead of starting it.
+`frenzy` worker, each a real process on 127.0.0.1, stopped by PID when the ``with`` block ends,
+however it ends: an exception, Ctrl-C, SIGTERM or SIGHUP. Whatever the environment already
+points at (PREFECT_API_URL, AWS_ENDPOINT_URL) is used instead of starting it.
 
 On request the Prefect server keeps its database in PostgreSQL instead (`start_postgres`: the
 machine's own PostgreSQL binaries, a fresh data directory, a server process on 127.0.0.1): the
@@ -17,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,6 +30,9 @@ from frenzy_prefect.training.distributed import free_port
 
 DURABLE_LEASE_STORAGE = "prefect.server.concurrency.lease_storage.filesystem"
 LOCAL_S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "frenzy-local", "AWS_SECRET_ACCESS_KEY": "frenzy-local", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # besides SIGINT (Ctrl-C), how a process is asked to stop
 
 
 class StackError(RuntimeError):
@@ -46,6 +51,10 @@ def postgres_bin_dir() -> Path | None:
     candidates = [Path(on_path).resolve().parent] if on_path else []
     candidates += sorted(Path("/usr/lib/postgresql").glob("*/bin"), key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else 0, reverse=True)
     return next((d for d in candidates if all((d / name).is_file() for name in ("initdb", "postgres", "pg_isready", "createdb"))), None)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 class LocalStack:
@@ -109,10 +118,24 @@ class LocalStack:
         self._scratch.clear()
 
     def __enter__(self) -> "LocalStack":
+        """Inside the ``with`` block SIGTERM and SIGHUP act as Ctrl-C does (KeyboardInterrupt), so
+        that however this process is asked to stop, it stops what it started on the way out."""
+        self._handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            self._handlers = {sig: signal.signal(sig, _interrupt) for sig in STOP_SIGNALS}
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
+        # A second signal must not cut the stopping short: held until everything is stopped,
+        # then delivered under the handlers this process had before.
+        held = set(STOP_SIGNALS) | {signal.SIGINT} if self._handlers else set()
+        signal.pthread_sigmask(signal.SIG_BLOCK, held)
+        try:
+            self.stop()
+        finally:
+            for sig, handler in self._handlers.items():
+                signal.signal(sig, handler)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
 
     # -- services ----------------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ from prefect.workers.base import BaseJobConfiguration, BaseVariables, BaseWorker
 from pydantic import Field
 
 from frenzy_prefect import run_labels
+from frenzy_prefect.crash import crash_naming_the_cause
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.gpu_queue import GpuQueue, training_job_of
 from frenzy_prefect.launch.command import Launch
@@ -44,7 +45,6 @@ from frenzy_prefect.reclaim import reclaim_lost_runs
 from frenzy_prefect.reservations import GpuHold, GpuReservations, volatile_lease_storage_warning
 from frenzy_prefect.server_calls import is_transient, patiently
 from frenzy_prefect.spec.plan import TrainingJob
-from frenzy_prefect.training.distributed import free_port
 
 CANCEL_POLL_S = 1.0  # how often a running run's state is checked for cancellation
 CANCEL_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this: every rank is gone within ~7 s
@@ -125,7 +125,7 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, FrenzyVariables, FrenzyWor
         env = {k: v for k, v in {**os.environ, **configuration.env}.items() if v is not None}
         if job is None:
             return [Launch(host="127.0.0.1", argv=shlex.split(configuration.command or ""), env=env)]
-        return rank_launches(job, python=sys.executable, master_port=free_port(), env=env)
+        return rank_launches(job, python=sys.executable, env=env)  # the launcher picks the rendezvous port on the first node
 
     async def run(
         self,
@@ -152,7 +152,7 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, FrenzyVariables, FrenzyWor
                 with anyio.CancelScope(shield=True):
                     await self._release(flow_run, job, hold)
             if hold.lost.is_set():
-                await self._propose_crashed_state(flow_run, f"Crashed: every rank was stopped: {hold.lost_reason}")
+                await crash_naming_the_cause(self.client, flow_run.id, f"every rank was stopped: {hold.lost_reason}")
         if cancelled:
             return await self._cancelled(flow_run, "Cancelled: every rank stopped", identifier=result.identifier)
         return result
@@ -257,6 +257,10 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, FrenzyVariables, FrenzyWor
             with anyio.CancelScope(shield=True):
                 await stop_process_groups(group.pids, CANCEL_GRACE_S)
             raise
+        stopped_here = cancelled.is_set() or (hold is not None and hold.lost.is_set())
+        if code != 0 and group.failure and not stopped_here:  # name the rank, its node and the signal
+            logger.error(group.failure)
+            await crash_naming_the_cause(self.client, flow_run.id, group.failure)
         if code == SSH_UNREACHABLE and configuration.launcher == "ssh":
             logger.error(
                 f"ssh to {group.failed_host} failed (exit {code}): the host is unreachable, refused the key, or its host key "

@@ -3,7 +3,7 @@ two worker processes, moto's S3 server, and multi-process gloo training.
 
 - `train_llm`: four runs at once: one that trains, one no GPU can hold, one whose dataset does
   not exist, one naming a cluster that was never saved.
-- The pool under stress: a worker killed with -9 mid-run and restarted; thirty training runs at
+- The pool under stress: a worker killed with -9 mid-run and restarted; a rank killed with -9; thirty training runs at
   once on four GPUs through two workers; a cancellation.
 - The same crowd on a second stack whose Prefect server keeps its database in PostgreSQL (a
   real server process), the production choice: on either database no run may fail for a server
@@ -236,6 +236,40 @@ def test_a_worker_killed_with_9_leaves_no_rank_running_and_its_restart_reclaims_
     assert run.state.is_crashed(), run.state
     assert f"its frenzy worker {owner!r}" in reclaimed[0] and "released its GPUs" in reclaimed[0]
     assert free_now(stack) == {"a10-node": [0, 1], "t4-node": [0, 1]}  # reclaimed, not left to expire
+
+
+@pytest.mark.faults
+def test_a_rank_killed_with_9_crashes_the_run_naming_the_rank_node_and_signal(stack, worker_pool, dataset):
+    """Rank 1 of a two-rank run is killed with -9 mid-training: torchrun stops rank 0 (which
+    executes the flow run and reports it crashed, 'aborted by a termination signal'); the
+    worker's log and the run's Crashed state then say which rank on which node died, and how."""
+    import os
+    import signal
+
+    from .test_worker import rank_pid
+
+    with stack.client_settings():
+        from prefect.deployments import run_deployment
+
+        parameters = training_job(dataset, gpus=2, gpu_type="A10", steps=100_000, output=f"s3://{BUCKET}/runs/rank-killed")
+        run_id = run_deployment("distributed-train/frenzy", parameters=parameters, timeout=0).id
+        deadline = time.monotonic() + 180
+        with get_client(sync_client=True) as client:
+            while not any(log.message.startswith("step ") for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))):
+                assert time.monotonic() < deadline, "the training run never started stepping"
+                time.sleep(1)
+            _, (agent,) = host_and_pids(client.read_flow_run(run_id).infrastructure_pid)
+            victim = rank_pid(agent, 1)
+            os.kill(victim, signal.SIGKILL)
+            run = wait_final(run_id, timeout_s=120)
+            named = f"rank 1 on a10-node (pid {victim}) was killed by SIGKILL"
+            while named not in (logs := [log.message for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))]):
+                assert time.monotonic() < deadline + 60, logs[-5:]  # logs reach the server in batches
+                time.sleep(0.5)
+    assert run.state.is_crashed() and run.state.message == named, run.state
+    while free_now(stack) != {"a10-node": [0, 1], "t4-node": [0, 1]}:
+        assert time.monotonic() < deadline + 90, f"GPUs still held: {free_now(stack)}"
+        time.sleep(0.5)
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """The SSH launcher against a real sshd on 127.0.0.1 (Debian's openssh-server, started here
 with its own host key and an authorized key, stopped by PID): a two-node job trains through
-it, stopping the ssh client stops the remote command, and a host that cannot be reached or
+it, its rendezvous port is picked by the first node's remote end, stopping the ssh client stops
+the remote command, and a host that cannot be reached or
 whose key is not trusted fails with ssh's code and the host named; and a flow run whose job
 variables pick the ssh launcher trains through the pool's worker and sshd."""
 
@@ -9,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -31,6 +33,7 @@ from .conftest import BUCKET
 from .test_training import NANO, make_job, unchecked
 
 SSHD = "/usr/sbin/sshd"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _install_sshd() -> None:
@@ -54,6 +57,7 @@ def sshd(tmp_path_factory) -> SshSettings:
         f"Port {port}\nListenAddress 127.0.0.1\nHostKey {d / 'host_key'}\nAuthorizedKeysFile {d / 'authorized_keys'}\n"
         f"PidFile {d / 'sshd.pid'}\nPasswordAuthentication no\nKbdInteractiveAuthentication no\nPubkeyAuthentication yes\n"
         "PermitRootLogin prohibit-password\nStrictModes no\nUsePAM no\n"
+        f"SetEnv PYTHONPATH={ROOT}\n"  # the node runs this checkout's remote end, as the worker side does
     )
     (d / "known_hosts").write_text(f"[127.0.0.1]:{port} {(d / 'host_key.pub').read_text()}")
     Path("/run/sshd").mkdir(exist_ok=True)  # its privilege-separation directory
@@ -71,15 +75,45 @@ def test_a_two_node_job_trains_through_sshd(sshd, dataset):
     placements = [Placement(node="n0", host="127.0.0.1", gpus=[0]), Placement(node="n1", host="127.0.0.1", gpus=[1])]
     job = make_job(profile_dataset(dataset, 64, NANO.vocab_size), f"s3://{BUCKET}/runs/over-ssh", ParallelPlan(dp=2, micro_batch=4), placements, steps=10)
 
-    async def run() -> int:
-        launches = rank_launches(job, python=sys.executable, master_port=free_port(), env=dict(os.environ))
+    async def run() -> tuple[int, int | None]:
+        launches = rank_launches(job, python=sys.executable, env=dict(os.environ))
         group = await start_ssh(launches, sshd)
-        return await group.wait()
+        return await group.wait(), group.rendezvous_port
 
-    assert asyncio.run(run()) == 0
+    code, port = asyncio.run(run())
+    assert code == 0 and port is not None
     with open_uri(job.metrics_uri, "r") as f:
         metrics = json.load(f)
     assert metrics["world_size"] == 2 and len(metrics["losses"]) == 10
+
+
+def test_the_rendezvous_port_is_picked_on_the_first_node_and_given_to_every_node(sshd, tmp_path, capfd, monkeypatch):
+    """The port the rendezvous listens on must be free where it listens: on the first node, not
+    on the worker's machine. Both nodes are this host here, so the test shows who picked it: the
+    launcher binds no socket at all, the first node's remote end reports the port, and every
+    node's command gets that one port; still one ssh session per node."""
+    seen = tmp_path / "seen"
+    seen.mkdir()
+    write = f"import os, pathlib; pathlib.Path({str(seen)!r}, os.environ['NODE']).write_text(os.environ['RDZV_PORT'])"
+    launches = [Launch(host="127.0.0.1", node=f"n{i}", argv=[sys.executable, "-c", write], env={"NODE": f"n{i}"}, port_env="RDZV_PORT") for i in range(2)]
+    sshd_log = sshd.identity_file.parent / "sshd.log"
+    accepted_before = sshd_log.read_text(errors="replace").count("Accepted publickey")
+
+    def no_binding_here(*_):
+        raise AssertionError("the launcher bound a socket on the worker's machine")
+
+    async def run() -> tuple[int, int | None]:
+        with monkeypatch.context() as m:
+            m.setattr(socket.socket, "bind", no_binding_here)
+            group = await start_ssh(launches, sshd)
+        return await group.wait(), group.rendezvous_port
+
+    code, port = asyncio.run(run())
+    assert code == 0 and port is not None
+    assert {p.name: int(p.read_text()) for p in seen.iterdir()} == {"n0": port, "n1": port}
+    said = [line for line in capfd.readouterr().err.splitlines() if "rendezvous port" in line]
+    assert said == [f"frenzy: rendezvous port {port} picked free on {socket.gethostname()}"]  # by n0's remote end, once
+    assert sshd_log.read_text(errors="replace").count("Accepted publickey") == accepted_before + 2  # one session per node
 
 
 def test_stopping_the_ssh_client_stops_the_remote_command(sshd, tmp_path):
@@ -101,6 +135,31 @@ def test_stopping_the_ssh_client_stops_the_remote_command(sshd, tmp_path):
     marker.unlink()
     time.sleep(1.0)
     assert not marker.exists(), "the remote command outlived its ssh client"
+
+
+@pytest.mark.faults
+def test_a_remote_rank_killed_with_sigkill_is_named_through_the_connection(sshd):
+    """The remote end relays its command's account of a failure (what torchrun writes when a rank
+    dies: the global rank, the rank's PID, its exit status) once the command has exited; a
+    command that leaves none is named by its own (remote) PID. Stand-ins for torchrun here: the
+    real agent's account is tested locally (test_worker)."""
+    rank_dies = (
+        "import os, signal\n"
+        "from frenzy_prefect.launch.failure import write_report\n"
+        "write_report({'rank': 3, 'local_rank': 1, 'pid': 4242, 'exitcode': -9})\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    dies = "import os, pathlib, signal\npathlib.Path(os.environ['OUT']).write_text(str(os.getpid()))\nos.kill(os.getpid(), signal.SIGKILL)\n"
+
+    async def run(launch: Launch) -> tuple[int, str | None]:
+        group = await start_ssh([launch], sshd)
+        return await group.wait(), group.failure
+
+    code, failure = asyncio.run(run(Launch(host="127.0.0.1", node="gpu-3", argv=[sys.executable, "-c", rank_dies])))
+    assert code == 128 + signal.SIGKILL and failure == "rank 3 on gpu-3 (pid 4242) was killed by SIGKILL"
+    out = sshd.identity_file.parent / "remote-pid"
+    code, failure = asyncio.run(run(Launch(host="127.0.0.1", argv=[sys.executable, "-c", dies], env={"OUT": str(out)})))
+    assert failure == f"the command on 127.0.0.1 (pid {out.read_text()}) was killed by SIGKILL"
 
 
 @pytest.mark.parametrize("case", ["nothing listens", "unknown host key"])

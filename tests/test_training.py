@@ -48,7 +48,7 @@ def make_job(dataset: DatasetInfo, output: str, plan: ParallelPlan, placements: 
 
 def launch(job: TrainingJob) -> tuple[int, list[int]]:
     async def run():
-        group = await start_local(rank_launches(job, python=sys.executable, master_port=free_port(), env=dict(os.environ)))
+        group = await start_local(rank_launches(job, python=sys.executable, env=dict(os.environ)))
         return await group.wait(), group.pids
 
     return asyncio.run(run())

@@ -126,6 +126,9 @@ class Allocation(PlanCandidate):
         return self
 
 
+JOB_ENV = "FRENZY_TRAINING_JOB"  # the environment variable that carries a TrainingJob (JSON) to its ranks
+
+
 class TrainingJob(BaseModel):
     """Everything the ranks need to train: the request, the resolved model and dataset, and the allocation."""
 

@@ -10,11 +10,9 @@ import os
 import runpy
 import sys
 
-from frenzy_prefect.spec.plan import TrainingJob
+from frenzy_prefect.spec.plan import JOB_ENV, TrainingJob
 from frenzy_prefect.training.distributed import DistributedContext, PeerFailed
 from frenzy_prefect.training.trainer import train
-
-JOB_ENV = "FRENZY_TRAINING_JOB"
 
 
 def main() -> None:

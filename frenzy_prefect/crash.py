@@ -1,0 +1,20 @@
+"""A crashed training run's state says what failed (which rank, on which node, how)."""
+
+from __future__ import annotations
+
+from uuid import UUID
+
+from prefect.client.orchestration import PrefectClient
+from prefect.states import Crashed
+
+
+async def crash_naming_the_cause(client: PrefectClient, flow_run_id: UUID, message: str) -> None:
+    """Mark the flow run Crashed with ``message``, once its processes have all ended.
+
+    Rank 0 executes the flow run itself; when another rank dies, torchrun stops rank 0 with
+    SIGTERM and rank 0 reports the run Crashed, saying only that it was aborted by a termination
+    signal. That message is replaced (forced: Prefect refuses Crashed over a final state). A run
+    that completed, failed (its own exception says why) or was cancelled is left as it is."""
+    state = (await client.read_flow_run(flow_run_id)).state
+    if state is None or not state.is_final() or state.is_crashed():
+        await client.set_flow_run_state(flow_run_id, Crashed(message=message), force=True)
