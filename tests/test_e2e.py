@@ -198,6 +198,21 @@ def free_now(stack) -> dict[str, list[int]]:
         return asyncio.run(read())
 
 
+def start_stepping(stack: LocalStack, dataset: str, name: str) -> UUID:
+    """A long 2 x A10 `distributed-train` run, once its ranks are training."""
+    with stack.client_settings():
+        from prefect.deployments import run_deployment
+
+        parameters = training_job(dataset, gpus=2, gpu_type="A10", steps=100_000, output=f"s3://{BUCKET}/runs/{name}")
+        run_id = run_deployment("distributed-train/frenzy", parameters=parameters, timeout=0).id
+        deadline = time.monotonic() + 180
+        with get_client(sync_client=True) as client:
+            while not any(log.message.startswith("step ") for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))):
+                assert time.monotonic() < deadline, "the training run never started stepping"
+                time.sleep(1)
+    return run_id
+
+
 @pytest.fixture(scope="module")
 def second_worker(stack, worker_pool) -> str:
     """A second worker process on the same pool: the two share the GPU reservations."""
@@ -206,16 +221,9 @@ def second_worker(stack, worker_pool) -> str:
 
 
 def test_a_worker_killed_with_9_leaves_no_rank_running_and_its_restart_reclaims_the_gpus(stack, worker_pool, dataset, second_worker, runs):
+    run_id = start_stepping(stack, dataset, "killed")
     with stack.client_settings():
-        from prefect.deployments import run_deployment
-
-        parameters = training_job(dataset, gpus=2, gpu_type="A10", steps=100_000, output=f"s3://{BUCKET}/runs/killed")
-        run_id = run_deployment("distributed-train/frenzy", parameters=parameters, timeout=0).id
-        deadline = time.monotonic() + 180
         with get_client(sync_client=True) as client:
-            while not any(log.message.startswith("step ") for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))):
-                assert time.monotonic() < deadline, "the training run never started stepping"
-                time.sleep(1)
             run = client.read_flow_run(run_id)
             owner = run.labels["frenzy.worker"]
             _, ranks = host_and_pids(run.infrastructure_pid)
@@ -248,27 +256,21 @@ def test_a_rank_killed_with_9_crashes_the_run_naming_the_rank_node_and_signal(st
 
     from .test_worker import rank_pid
 
+    run_id = start_stepping(stack, dataset, "rank-killed")
     with stack.client_settings():
-        from prefect.deployments import run_deployment
-
-        parameters = training_job(dataset, gpus=2, gpu_type="A10", steps=100_000, output=f"s3://{BUCKET}/runs/rank-killed")
-        run_id = run_deployment("distributed-train/frenzy", parameters=parameters, timeout=0).id
-        deadline = time.monotonic() + 180
         with get_client(sync_client=True) as client:
-            while not any(log.message.startswith("step ") for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))):
-                assert time.monotonic() < deadline, "the training run never started stepping"
-                time.sleep(1)
             _, (agent,) = host_and_pids(client.read_flow_run(run_id).infrastructure_pid)
             victim = rank_pid(agent, 1)
             os.kill(victim, signal.SIGKILL)
+            killed = time.monotonic()
             run = wait_final(run_id, timeout_s=120)
             named = f"rank 1 on a10-node (pid {victim}) was killed by SIGKILL"
             while named not in (logs := [log.message for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))]):
-                assert time.monotonic() < deadline + 60, logs[-5:]  # logs reach the server in batches
+                assert time.monotonic() < killed + 60, logs[-5:]  # logs reach the server in batches
                 time.sleep(0.5)
     assert run.state.is_crashed() and run.state.message == named, run.state
     while free_now(stack) != {"a10-node": [0, 1], "t4-node": [0, 1]}:
-        assert time.monotonic() < deadline + 90, f"GPUs still held: {free_now(stack)}"
+        assert time.monotonic() < killed + 90, f"GPUs still held: {free_now(stack)}"
         time.sleep(0.5)
 
 
