@@ -30,7 +30,7 @@ import anyio.abc
 from prefect.blocks.system import Secret
 from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.exceptions import InfrastructureNotAvailable
-from prefect.workers.base import BaseJobConfiguration, BaseVariables, BaseWorker, BaseWorkerResult
+from prefect.workers.base import BaseJobConfiguration, BaseWorker, BaseWorkerResult
 from pydantic import Field
 
 from frenzy_prefect import run_labels
@@ -42,7 +42,7 @@ from frenzy_prefect.launch.local import ProcessGroup, host_and_pids, start_local
 from frenzy_prefect.launch.ssh import SSH_UNREACHABLE, SshSettings, start_ssh
 from frenzy_prefect.launch.torchrun import rank_launches
 from frenzy_prefect.reclaim import reclaim_lost_runs
-from frenzy_prefect.reservations import GpuHold, GpuReservations, volatile_lease_storage_warning
+from frenzy_prefect.reservations import LEASE_S, GpuHold, GpuReservations, volatile_lease_storage_warning
 from frenzy_prefect.server_calls import is_transient, patiently
 from frenzy_prefect.spec.plan import TrainingJob
 
@@ -51,26 +51,11 @@ CANCEL_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this: every rank is gone wit
 
 
 class FrenzyJobConfiguration(BaseJobConfiguration):
-    working_dir: Optional[Path] = Field(default=None)
-    launcher: Literal["local", "ssh"] = Field(default="local")
-    ssh_user: Optional[str] = Field(default=None)
-    ssh_port: int = Field(default=22)
-    ssh_key_secret: Optional[str] = Field(default=None)
-    ssh_known_hosts: Optional[Path] = Field(default=None)
-    node_python: Optional[str] = Field(default=None)
-    allowed_gpu_types: Optional[list[str]] = Field(default=None)
-    max_gpus_per_run: Optional[int] = Field(default=None)
+    """The pool's job template: each field is also a variable of the pool, typed and described
+    here once (Prefect derives the variables' schema from these fields)."""
 
-    @staticmethod
-    def _base_flow_run_command() -> str:
-        return shlex.join([sys.executable, "-m", "prefect.engine"])
-
-
-class FrenzyVariables(BaseVariables):
     working_dir: Optional[Path] = Field(
-        default=None,
-        title="Working Directory",
-        description="Directory the run's processes start in; default: the worker's.",
+        default=None, title="Working Directory", description="Directory the run's processes start in; default: the worker's."
     )
     launcher: Literal["local", "ssh"] = Field(
         default="local",
@@ -97,15 +82,18 @@ class FrenzyVariables(BaseVariables):
         default=None, ge=1, title="Max GPUs per Run", description="Training runs needing more GPUs fail at once; default: no cap."
     )
 
+    @staticmethod
+    def _base_flow_run_command() -> str:
+        return shlex.join([sys.executable, "-m", "prefect.engine"])
+
 
 class FrenzyWorkerResult(BaseWorkerResult):
     """Exit status of a run's processes (the first failure, else 0) and their PIDs."""
 
 
-class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, FrenzyVariables, FrenzyWorkerResult]):
+class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, Any, FrenzyWorkerResult]):
     type = "frenzy"
     job_configuration = FrenzyJobConfiguration
-    job_configuration_variables = FrenzyVariables
     _display_name = "Frenzy"
     _description = (
         "Dispatches flow runs to the GPU nodes chosen by the Frenzy memory-aware allocator: "
@@ -138,28 +126,36 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, FrenzyVariables, FrenzyWor
         if job is None:
             result, cancelled = await self._launch(flow_run, configuration, None, task_status)
         else:
-            _check_pool_policy(job, configuration)
-            await patiently(GpuReservations(self.client, job.cluster).ensure, "creating the GPU reservation limits")
-            if self._queue is None:
-                self._queue = GpuQueue(self.client, self._work_pool_name, self.get_flow_run_logger)
-            reserved = await self._queue.wait_turn(flow_run, job)
-            if reserved is None:  # cancelled while it waited: nothing was taken or started
-                return await self._cancelled(flow_run, "Cancelled while waiting for GPUs", identifier="")
-            job, hold = reserved
-            try:
-                result, cancelled = await self._run_holding(flow_run, configuration, job, hold, task_status)
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await self._release(flow_run, job, hold)
-            if hold.lost.is_set():
-                await crash_naming_the_cause(self.client, flow_run.id, f"every rank was stopped: {hold.lost_reason}")
+            result, cancelled = await self._train(flow_run, configuration, job, task_status)
         if cancelled:
-            return await self._cancelled(flow_run, "Cancelled: every rank stopped", identifier=result.identifier)
+            return await self._cancelled(flow_run, cancelled, identifier=result.identifier)
         return result
+
+    async def _train(
+        self, flow_run: FlowRun, configuration: FrenzyJobConfiguration, job: TrainingJob, task_status
+    ) -> tuple[FrenzyWorkerResult, str | None]:
+        """A training run: its turn in the GPU queue, its ranks on the GPUs taken for it, the GPUs
+        released however it ends; (result, why it was cancelled, if it was)."""
+        _check_pool_policy(job, configuration)
+        await patiently(GpuReservations(self.client, job.cluster).ensure, "creating the GPU reservation limits")
+        if self._queue is None:
+            self._queue = GpuQueue(self.client, self._work_pool_name, self.get_flow_run_logger)
+        reserved = await self._queue.wait_turn(flow_run, job)
+        if reserved is None:  # cancelled while it waited: nothing was taken or started
+            return FrenzyWorkerResult(status_code=0, identifier=""), "Cancelled while waiting for GPUs"
+        job, hold = reserved
+        try:
+            result, cancelled = await self._run_holding(flow_run, configuration, job, hold, task_status)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._release(flow_run, job, hold)
+        if hold.lost.is_set():
+            await crash_naming_the_cause(self.client, flow_run.id, f"every rank was stopped: {hold.lost_reason}")
+        return result, cancelled
 
     async def _run_holding(
         self, flow_run: FlowRun, configuration: FrenzyJobConfiguration, job: TrainingJob, hold: GpuHold, task_status
-    ) -> tuple[FrenzyWorkerResult, bool]:
+    ) -> tuple[FrenzyWorkerResult, str | None]:
         logger = self.get_flow_run_logger(flow_run)
         logger.info(f"Reserved GPUs {_gpus(job)} of cluster {job.cluster.name!r}")
         await self._label(flow_run, {run_labels.WAITING_FOR: "", run_labels.LEASE: str(hold.lease)})
@@ -169,7 +165,7 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, FrenzyVariables, FrenzyWor
 
         async with anyio.create_task_group() as renewals:
             renewals.start_soon(hold.keep, relabel)
-            result = await self._launch(flow_run, configuration, job, task_status, lost=hold)
+            result = await self._launch(flow_run, configuration, job, task_status, hold)
             renewals.cancel_scope.cancel()
         return result
 
@@ -178,8 +174,10 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, FrenzyVariables, FrenzyWor
         try:
             await hold.release()
             await self._label(flow_run, {run_labels.LEASE: run_labels.RELEASED})
-        except Exception as exc:  # the lease then expires by itself within a minute
-            self.get_flow_run_logger(flow_run).warning(f"Could not release GPUs {_gpus(job)} ({type(exc).__name__}); their lease expires within a minute")
+        except Exception as exc:  # the lease then expires by itself
+            self.get_flow_run_logger(flow_run).warning(
+                f"Could not release GPUs {_gpus(job)} ({type(exc).__name__}); their lease expires within {LEASE_S:.0f} s"
+            )
 
     async def _label(self, flow_run: FlowRun, labels: dict[str, str]) -> None:
         await patiently(lambda: self.client.update_flow_run_labels(flow_run.id, labels), "labelling the flow run")
@@ -203,16 +201,16 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, FrenzyVariables, FrenzyWor
         configuration: FrenzyJobConfiguration,
         job: TrainingJob | None,
         task_status: Optional[anyio.abc.TaskStatus[Any]],
-        lost: GpuHold | None = None,
-    ) -> tuple[FrenzyWorkerResult, bool]:
-        """Start the run's processes and wait for them; (result, whether it was cancelled)."""
+        hold: GpuHold | None = None,
+    ) -> tuple[FrenzyWorkerResult, str | None]:
+        """Start the run's processes and wait for them; (result, why it was cancelled, if it was)."""
         launches = self.launches_for(configuration, job)
         with tempfile.TemporaryDirectory(prefix="frenzy-ssh-") as keys:
             if job is not None and configuration.launcher == "ssh":
                 group = await start_ssh(launches, await _ssh_settings(configuration, Path(keys)), cwd=configuration.working_dir)
             else:
                 group = await start_local(launches, cwd=configuration.working_dir)
-            return await self._supervise(flow_run, configuration, group, launches, task_status, lost)
+            return await self._supervise(flow_run, configuration, group, launches, task_status, hold)
 
     async def _supervise(
         self,
@@ -222,7 +220,7 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, FrenzyVariables, FrenzyWor
         launches: list[Launch],
         task_status: Optional[anyio.abc.TaskStatus[Any]],
         hold: GpuHold | None,
-    ) -> tuple[FrenzyWorkerResult, bool]:
+    ) -> tuple[FrenzyWorkerResult, str | None]:
         """Wait for the run's processes. Prefect's own cancellation only reaches runs that have
         not started, so the worker watches its running runs and stops every rank of one that is
         being cancelled, or whose GPUs were lost to another run; a server outage only pauses the
@@ -266,7 +264,7 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, FrenzyVariables, FrenzyWor
                 f"ssh to {group.failed_host} failed (exit {code}): the host is unreachable, refused the key, or its host key "
                 f"is not in {configuration.ssh_known_hosts}; every rank was stopped"
             )
-        return FrenzyWorkerResult(status_code=code, identifier=group.identifier), cancelled.is_set()
+        return FrenzyWorkerResult(status_code=code, identifier=group.identifier), "Cancelled: every rank stopped" if cancelled.is_set() else None
 
     async def _is_cancelling(self, flow_run: FlowRun) -> bool:
         try:
