@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from .conftest import EXAMPLE_CLUSTER
+from .conftest import EXAMPLE_CLUSTER, ROOT
 
 
 def frenzy(*args: str) -> subprocess.CompletedProcess:
@@ -74,3 +74,40 @@ def test_bad_input_is_one_line_on_stderr_and_a_nonzero_exit(args, message):
     out = frenzy(*args)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.count("\n") == 1 and out.stderr.startswith("error: ") and message in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["estimate"], "Missing argument 'model'. (see 'python -m frenzy_prefect.cli estimate --help')"),
+        (["estimate", "gpt2-small", "--dp", "x"], "Invalid value for '--dp': Input should be a valid integer"),
+        (["estimat", "gpt2-small"], "No such command 'estimat'."),
+        (["recycle", "replan"], "No such command 'replan'. Did you mean 'plan'? (see 'python -m frenzy_prefect.cli recycle --help')"),
+        (["plan", "gpt-nano", "--global-batch", "8", "--seq-len", "64", "--cluster", str(EXAMPLE_CLUSTER), "--top", "0"], "Invalid value for '--top'"),
+        (["plan", "gpt-nano", "--global-batch", "8", "--seq-len", "64", "--cluster", str(EXAMPLE_CLUSTER), "--top", "-3"], "Invalid value for '--top'"),
+    ],
+)
+def test_usage_errors_are_one_line_on_stderr_and_exit_2(args, message):
+    """Typer's own errors (a missing argument, a bad integer, an unknown command, a count out of
+    range) read like every other error: one line, no usage banner or box."""
+    out = frenzy(*args)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith("error: ") and message in out.stderr
+
+
+def test_no_arguments_still_print_the_help():
+    out = frenzy()
+    assert out.returncode == 2 and "estimate" in out.stdout and "recycle" in out.stdout
+
+
+def test_the_command_line_does_not_import_torch():
+    """`frenzy --help` or `frenzy plan` must not wait for torch (seconds to import): importing the
+    CLI and building its click command pull in neither torch nor deepspeed; `measure` imports them itself."""
+    probe = (
+        "import sys, typer.main, frenzy_prefect.cli\n"
+        "typer.main.get_command(frenzy_prefect.cli.app)\n"
+        "print(sorted(m for m in ('torch', 'deepspeed') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,91 @@
+"""What every command shares: the one error handler (bad input is one stderr line, exit 2, no
+traceback), output helpers and the parsing of options several commands take."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+from rich.table import Table
+from typer.core import TyperGroup
+
+from frenzy_prefect.errors import FrenzyError, describe_validation_error
+from frenzy_prefect.spec.request import TrainingRequest
+
+USAGE_EXIT = 2
+
+
+def fail(message: str, exit_code: int = USAGE_EXIT) -> None:
+    """Print ``error: message`` as one line on stderr and exit (2 by default)."""
+    typer.echo(f"error: {' '.join(message.splitlines())}", err=True)
+    raise typer.Exit(exit_code)
+
+
+@contextmanager
+def one_line_errors() -> Iterator[None]:
+    """Turn the errors bad input causes into one stderr line: the core's (FrenzyError), a
+    model's validation (ValidationError) and click's own (a missing argument, a bad integer,
+    an unknown command: typer's UsageError and BadParameter, both TyperExceptions)."""
+    try:
+        yield
+    except typer.TyperException as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":
+            raise  # no arguments at all: typer prints the help (no_args_is_help), as typer itself tells it apart
+        ctx = getattr(exc, "ctx", None)
+        hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+        message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+        fail(message + hint, getattr(exc, "exit_code", USAGE_EXIT))
+    except ValidationError as exc:
+        fail(describe_validation_error(exc))
+    except FrenzyError as exc:
+        fail(str(exc))
+
+
+class OneLineErrors(TyperGroup):
+    """The top-level group: parsing its arguments and invoking a command (which parses its own)
+    both run under `one_line_errors`, so every command and sub-group gets it without a wrapper,
+    under the console script, ``python -m frenzy_prefect.cli`` and typer's test runner alike."""
+
+    def make_context(self, *args: Any, **kwargs: Any) -> typer.Context:
+        with one_line_errors():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx: typer.Context) -> Any:
+        with one_line_errors():
+            return super().invoke(ctx)
+
+
+def echo_json(data: Any) -> None:
+    typer.echo(json.dumps(data))
+
+
+def print_metrics(title: str, rows: list[tuple[str, str]]) -> None:
+    table = Table(title=title)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for name, value in rows:
+        table.add_row(name, value)
+    Console().print(table)
+
+
+def training_request(model: str, global_batch: int, seq_len: int, precision: str, optimizer: str) -> TrainingRequest:
+    """The workload a command describes, validated as a training request (it names no dataset),
+    so that bad values get the same one-line errors as in a flow."""
+    return TrainingRequest(
+        model=model, dataset="-", global_batch=global_batch, seq_len=seq_len, steps=1,
+        precision=precision, optimizer={"name": optimizer},
+    )  # fmt: skip
+
+
+def gpu_type(name: str):
+    """A catalog GPU type by name, or a one-line error naming the known ones."""
+    from frenzy_prefect.spec.catalog import GPU_CATALOG
+
+    if name not in GPU_CATALOG:
+        raise FrenzyError(f"unknown GPU type {name!r}; known: {', '.join(GPU_CATALOG)}")
+    return GPU_CATALOG[name]

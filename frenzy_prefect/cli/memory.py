@@ -1,0 +1,153 @@
+"""`frenzy estimate`, `measure`, `calibrate` and `presets`: a plan's per-GPU memory, predicted or
+measured (the same options, the same schema: DESIGN.md 4), and the estimator's calibration."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from frenzy_prefect.cli.common import echo_json, gpu_type, training_request
+from frenzy_prefect.errors import FrenzyError
+from frenzy_prefect.memory.report import PerRank, estimated_per_rank, memory_report
+from frenzy_prefect.spec.plan import ParallelPlan
+from frenzy_prefect.units import gib
+
+
+class Workload:
+    """The options ``estimate`` and ``measure`` share, validated once (DESIGN.md 4: same options, same schema)."""
+
+    def __init__(self, model, dp, tp, pp, micro_batch, global_batch, seq_len, zero, recompute, precision, optimizer, gpu):
+        from frenzy_prefect.profiling.model import resolve_model
+
+        self.spec = resolve_model(model, seq_len=seq_len)
+        self.plan = ParallelPlan(dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, zero=zero, recompute=recompute)
+        self.request = training_request(model, global_batch or self.plan.dp * self.plan.micro_batch, seq_len or self.spec.max_seq_len, precision, optimizer)
+        self.gpu = gpu_type(gpu) if gpu else None  # the plan itself is checked by estimate/measure
+
+    def header(self) -> str:
+        return f"{self.spec.name} ({self.spec.parameters:,} parameters), {self.plan.label()}, {self.request.precision}"
+
+    def emit(self, per_rank: PerRank, as_json: bool) -> None:
+        out = memory_report(self.spec, self.plan, self.request, per_rank)
+        if as_json:
+            echo_json(out)
+            return
+        typer.echo(f"{self.header()}: peak {gib(out['peak_bytes'])} GiB per GPU")
+        for rank, b in per_rank:
+            typer.echo(
+                f"  rank {rank} (stage {self.plan.coordinates(rank)[0]}): params {gib(b.params)}  grads {gib(b.grads)}"
+                f"  optimizer {gib(b.optimizer)}  activations {gib(b.activations)}  other {gib(b.other)}  GiB"
+            )
+
+
+MODEL_ARG = typer.Argument(..., help="Preset name or path/URI of an HF-style config.json.")
+DP = typer.Option(1, "--dp", help="Data-parallel replicas.")
+TP = typer.Option(1, "--tp", help="Tensor-parallel ranks (must divide heads, hidden and ffn).")
+PP = typer.Option(1, "--pp", help="Pipeline stages (1F1B), at most the number of layers.")
+MICRO_BATCH = typer.Option(1, "--micro-batch")
+GLOBAL_BATCH = typer.Option(None, "--global-batch", help="Default: dp * micro-batch.")
+SEQ_LEN = typer.Option(None, "--seq-len", help="Default: the model's max_seq_len.")
+ZERO = typer.Option(0, "--zero", help="ZeRO stage 0-3.")
+RECOMPUTE = typer.Option("none", "--recompute", help="none, selective or full.")
+PRECISION = typer.Option("bf16", "--precision", help="fp32, bf16 or fp16.")
+OPTIMIZER = typer.Option("adamw", "--optimizer", help="adamw, adam or sgd.")
+GPU = typer.Option(None, "--gpu", help="GPU type: estimate adds its calibrated overhead (default: tensors only); measure only checks the name.")
+JSON = typer.Option(False, "--json")
+
+
+def _memory_command(per_rank: Callable[[Workload], PerRank], doc: str) -> Callable[..., None]:
+    """``estimate`` or ``measure``: the same options and the same schema (DESIGN.md 4)."""
+
+    def command(
+        model: str = MODEL_ARG, dp: int = DP, tp: int = TP, pp: int = PP, micro_batch: int = MICRO_BATCH,
+        global_batch: Optional[int] = GLOBAL_BATCH, seq_len: Optional[int] = SEQ_LEN, zero: int = ZERO,
+        recompute: str = RECOMPUTE, precision: str = PRECISION, optimizer: str = OPTIMIZER, gpu: Optional[str] = GPU,
+        as_json: bool = JSON,
+    ) -> None:  # fmt: skip
+        w = Workload(model, dp, tp, pp, micro_batch, global_batch, seq_len, zero, recompute, precision, optimizer, gpu)
+        w.emit(per_rank(w), as_json)
+
+    command.__doc__ = doc
+    return command
+
+
+def _estimated(w: Workload) -> PerRank:
+    return estimated_per_rank(w.spec, w.plan, w.request, w.gpu)
+
+
+def _measured(w: Workload) -> PerRank:
+    from frenzy_prefect.training.measure import Workload as Measured, measure  # torch: imported here, never by `import frenzy_prefect.cli`
+
+    r = w.request
+    ranks = measure(Measured(model=w.spec, plan=w.plan, global_batch=r.global_batch, seq_len=r.seq_len, precision=r.precision, optimizer=r.optimizer))
+    return [(m.rank, m.breakdown) for m in ranks]
+
+
+estimate = _memory_command(_estimated, "Predicted per-GPU peak memory of one plan, per rank and by category.")
+measure = _memory_command(
+    _measured,
+    """The same plan executed here by the training engine (one process per GPU, three steps), with
+    each rank's measured peak by category (MemTracker; on CUDA also the allocator's peaks).""",
+)
+
+
+# What `frenzy calibrate` runs on one GPU: sizes from a few hundred MB to tens of GB, both
+# precisions, with and without recomputation, so the fit sees overhead and fragmentation apart.
+CALIBRATION_RUNS = [
+    ("gpt2-small", 4, 1024, "fp32", "none"),
+    ("gpt2-small", 8, 1024, "bf16", "none"),
+    ("gpt2-small", 16, 1024, "bf16", "full"),
+    ("gpt2-medium", 4, 1024, "bf16", "none"),
+    ("gpt2-medium", 8, 1024, "bf16", "selective"),
+    ("gpt2-large", 4, 1024, "bf16", "full"),
+]
+
+
+def calibrate(
+    gpu: str = typer.Option(..., "--gpu", help="The GPU type this machine has (a catalog name)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Calibration file to update; default: $FRENZY_CALIBRATION or the packaged one."),
+) -> None:
+    """Measure this machine's GPU on a fixed set of runs, fit its overhead and fragmentation, and
+    store them in the calibration file the estimator loads; prints the error before and after."""
+    gpu_type_ = gpu_type(gpu)
+    import torch
+
+    from frenzy_prefect.memory import peak_bytes
+    from frenzy_prefect.memory.calibration import ENV, PACKAGED, Calibration, GpuConstants, fit, save
+    from frenzy_prefect.profiling.model import resolve_model
+    from frenzy_prefect.training.measure import Workload as Measured, measure as run
+
+    if not torch.cuda.is_available():
+        raise FrenzyError("calibration measures a GPU and this machine has no CUDA device; the constants stay documented assumptions")
+    path = out or os.environ.get(ENV) or PACKAGED
+    current = Calibration.load(path) if Path(path).exists() else Calibration()
+    runs, measured = [], []
+    for model, batch, seq_len, precision, recompute in CALIBRATION_RUNS:
+        spec, plan_ = resolve_model(model, seq_len=seq_len), ParallelPlan(micro_batch=batch, recompute=recompute)
+        (rank,) = run(Measured(model=spec, plan=plan_, global_batch=batch, seq_len=seq_len, precision=precision, optimizer={"name": "adamw"}))
+        runs.append((spec, plan_, dict(global_batch=batch, seq_len=seq_len, precision=precision, optimizer_bytes_per_param=8, gpu=gpu_type_)))
+        measured.append(rank.device_peak)
+        typer.echo(f"{model} mb={batch} seq={seq_len} {precision} recompute={recompute}: device peak {gib(rank.device_peak)} GiB")
+
+    def predicted(calibration: Calibration) -> list[int]:
+        return [peak_bytes(spec, plan_, **kwargs, calibration=calibration) for spec, plan_, kwargs in runs]
+
+    tensors = predicted(Calibration(gpus={gpu: GpuConstants()}))
+    constants = fit(tensors, measured, note=f"{len(measured)} runs of `frenzy calibrate` on {torch.cuda.get_device_name()}")
+    save(current.model_copy(update={"gpus": current.gpus | {gpu: constants}}), path)
+    for label, calibration in (("before (catalog assumption)", Calibration()), ("after (fitted)", Calibration(gpus={gpu: constants}))):
+        errors = sorted(abs(p - m) / m for p, m in zip(predicted(calibration), measured, strict=True))
+        typer.echo(f"{label}: median error {errors[len(errors) // 2]:.2%}, worst {errors[-1]:.2%}")
+    typer.echo(f"{gpu}: overhead {gib(constants.overhead_bytes)} GiB, fragmentation x{constants.fragmentation:.4f} -> {path}")
+
+
+def presets() -> None:
+    """The model presets and their sizes."""
+    from frenzy_prefect.profiling.model import PRESETS
+
+    for name, spec in PRESETS.items():
+        typer.echo(f"{name:<12} {spec.parameters / 1e6:10.1f} M params  layers {spec.layers:>3}  hidden {spec.hidden:>5}  heads {spec.heads:>3}  vocab {spec.vocab_size}")

@@ -1,0 +1,59 @@
+"""`frenzy plan`: HAS on an idle cluster, the ranked feasible plans and the chosen placement."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from frenzy_prefect.cli.common import echo_json, training_request
+from frenzy_prefect.errors import FrenzyError
+from frenzy_prefect.units import gib
+
+
+def plan(
+    model: str = typer.Argument(..., help="Preset name or path/URI of an HF-style config.json."),
+    global_batch: int = typer.Option(..., "--global-batch"),
+    seq_len: int = typer.Option(..., "--seq-len"),
+    cluster: Path = typer.Option(..., "--cluster", help="Cluster file (YAML or JSON)."),
+    precision: str = typer.Option("bf16", "--precision", help="fp32, bf16 or fp16."),
+    optimizer: str = typer.Option("adamw", "--optimizer", help="adamw, adam or sgd."),
+    space: str = typer.Option("engine", "--space", help="engine: plans training runs today (data parallel, recompute); full: tp, pp and ZeRO too."),
+    top: int = typer.Option(10, "--top", min=1, help="How many ranked plans to show."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """HAS on an idle cluster: the ranked feasible plans (MARP) and the chosen placement."""
+    from frenzy_prefect import allocator
+    from frenzy_prefect.profiling.model import resolve_model
+    from frenzy_prefect.spec.cluster import ClusterSpec, ClusterState
+
+    if space not in ("engine", "full"):
+        raise FrenzyError(f"--space must be engine or full, not {space!r}")
+    spec = resolve_model(model, seq_len=seq_len)
+    request = training_request(model, global_batch, seq_len, precision, optimizer)
+    state = ClusterState.idle(ClusterSpec.from_file(cluster))
+    candidates = allocator.candidate_plans(spec, request, state.cluster, space)  # type: ignore[arg-type]
+    chosen = allocator.allocate(candidates, state)
+    ranked = [c for c in candidates if c.fits][:top]
+    if as_json:
+        plans = [
+            {"gpu_type": c.gpu_type, "gpus": c.plan.gpus, "plan": c.plan.model_dump(), "peak_bytes": c.memory.peak_bytes, "step_time_s": c.step_time_s}
+            for c in ranked
+        ]
+        echo_json({"plans": plans, "chosen": chosen.model_dump(mode="json")})
+        return
+    table = Table(title=f"{model}, global batch {global_batch} x {seq_len} tokens, on {state.cluster.name}")
+    for column in ("#", "GPUs", "type", "dp", "tp", "pp", "mb", "ZeRO", "recompute", "peak GiB", "of GiB", "step s"):
+        table.add_column(column, justify="left" if column in ("type", "recompute") else "right")
+    for i, c in enumerate(ranked, 1):
+        p = c.plan
+        table.add_row(
+            *map(str, (i, p.gpus, c.gpu_type, p.dp, p.tp, p.pp, p.micro_batch, p.zero, p.recompute, gib(c.memory.peak_bytes), gib(c.gpu_memory_bytes))),
+            f"{c.step_time_s:.4g}",
+        )
+    console = Console()
+    console.print(table)
+    placed = ", ".join(f"{p.node} GPUs {p.gpus}" for p in chosen.placements)
+    console.print(f"chosen: {chosen.plan.gpus} x {chosen.gpu_type}, {chosen.plan.label()} on {placed}")
