@@ -280,10 +280,10 @@ def simulate(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Replay a job trace on a cluster under one scheduling policy."""
-    from frenzy_prefect.simulation.inputs import load_cluster, load_trace
-    from frenzy_prefect.simulation.jobs import sim_jobs
-    from frenzy_prefect.simulation.policies import make_policy
-    from frenzy_prefect.simulation.simulator import simulate as run
+    from frenzy_prefect.scheduling.inputs import load_cluster, load_trace
+    from frenzy_prefect.scheduling.jobs import sim_jobs
+    from frenzy_prefect.scheduling.policies import make_policy
+    from frenzy_prefect.scheduling.simulator import simulate as run
 
     def body() -> None:
         chosen = make_policy(policy)
@@ -384,7 +384,7 @@ def recycle_simulate(
     from frenzy_prefect.recycle.knobs import Knobs
     from frenzy_prefect.recycle.membership import load_mapping
     from frenzy_prefect.recycle.policies import make_policy
-    from frenzy_prefect.recycle.simulator import simulate as replay
+    from frenzy_prefect.recycle.replay import simulate as replay
     from frenzy_prefect.recycle.traces import load_failure_trace
 
     def body() -> None:

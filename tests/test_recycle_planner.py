@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from frenzy_prefect.recycle.cache import PlanCache, failure_keys
 from frenzy_prefect.recycle.costs import StageCosts
 from frenzy_prefect.recycle.failures import NeedsCheckpointRestart, RecycleInputError, canonical_failed
-from frenzy_prefect.recycle.memory import in_flight_peak
+from frenzy_prefect.recycle.in_flight import in_flight_peak
 from frenzy_prefect.recycle.planners import PLANNERS, planner
 from frenzy_prefect.recycle.planners import heuristic, milp
 from frenzy_prefect.recycle.schedule import Action

@@ -19,7 +19,7 @@ from frenzy_prefect.recycle.failures import (
     pipeline_maps,
     reroute,
 )
-from frenzy_prefect.recycle.memory import in_flight_bound, in_flight_peak
+from frenzy_prefect.recycle.in_flight import in_flight_bound, in_flight_peak
 from frenzy_prefect.recycle.schedule import Action, one_f_one_b, parse_action
 from frenzy_prefect.recycle.timeline import ScheduleDeadlock, fault_free_iteration_s, run_timeline, steady_state_period_s
 from frenzy_prefect.recycle.validate import InvalidSchedule, validate, violations

@@ -13,13 +13,13 @@ from frenzy_prefect.allocator.step_time import fit_achievable_fraction, predict_
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.memory.analytic import check_plan
 from frenzy_prefect.profiling.model import PRESETS
-from frenzy_prefect.simulation.cluster import SimCluster
-from frenzy_prefect.simulation.inputs import TraceJob, load_cluster, load_trace, shared_traces
-from frenzy_prefect.simulation.jobs import SimJob, sim_jobs
-from frenzy_prefect.simulation.options import frontier, naive_plans
-from frenzy_prefect.simulation.policies import POLICIES, make_policy
-from frenzy_prefect.simulation.policies.frenzy import Reservation
-from frenzy_prefect.simulation.simulator import simulate
+from frenzy_prefect.scheduling.cluster import SimCluster
+from frenzy_prefect.scheduling.inputs import TraceJob, load_cluster, load_trace, shared_traces
+from frenzy_prefect.scheduling.jobs import SimJob, sim_jobs
+from frenzy_prefect.scheduling.options import frontier, naive_plans
+from frenzy_prefect.scheduling.policies import POLICIES, make_policy
+from frenzy_prefect.scheduling.policies.frenzy import Reservation
+from frenzy_prefect.scheduling.simulator import simulate
 from frenzy_prefect.spec.catalog import GPU_CATALOG
 from frenzy_prefect.spec.cluster import ClusterSpec
 from frenzy_prefect.spec.plan import ParallelPlan, Placement

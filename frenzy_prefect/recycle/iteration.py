@@ -1,5 +1,5 @@
 """How long one training iteration takes on a grid, with and without failures: the only thing
-the resilience simulator needs to know about the model and the hardware.
+the failure replay needs to know about the model and the hardware.
 
 Two fault-free sources: the project's throughput model (``predict_step``), or a step-time table
 of measured/published numbers. ReCycle's iteration time under failures (``rerouted_s``) comes

@@ -4,7 +4,7 @@
 import pytest
 
 from frenzy_prefect.errors import FrenzyError
-from frenzy_prefect.simulation.inputs import load_alibaba_nodes, load_trace, shared_traces
+from frenzy_prefect.scheduling.inputs import load_alibaba_nodes, load_trace, shared_traces
 from frenzy_prefect.spec.catalog import GPU_CATALOG
 
 

@@ -20,10 +20,10 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_array
 
-from frenzy_prefect.simulation.cluster import SimCluster
-from frenzy_prefect.simulation.jobs import SimJob
-from frenzy_prefect.simulation.options import Option
-from frenzy_prefect.simulation.policies.base import Reject, Start, Waiting
+from frenzy_prefect.scheduling.cluster import SimCluster
+from frenzy_prefect.scheduling.jobs import SimJob
+from frenzy_prefect.scheduling.options import Option
+from frenzy_prefect.scheduling.policies.base import Reject, Start, Waiting
 
 ROUND_S = 60.0
 WINDOW = 128
