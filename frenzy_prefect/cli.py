@@ -461,7 +461,7 @@ def recycle_plan(
 ) -> None:
     """Plan one failure case: per stage the live workers, micro-batches each and bubble share; the
     iteration time and throughput relative to fault-free 1F1B; the planner's time."""
-    from frenzy_prefect.recycle.costs import StageCosts
+    from frenzy_prefect.recycle.fault_free import costs_from_fault_free_step
     from frenzy_prefect.recycle.failures import key_from_stages
     from frenzy_prefect.recycle.planners import planner
     from frenzy_prefect.recycle.schedule import one_f_one_b
@@ -469,7 +469,7 @@ def recycle_plan(
 
     def body() -> None:
         run = planner(planner_name)
-        costs = StageCosts.from_fault_free_step(step_s, dp, pp, microbatches)
+        costs = costs_from_fault_free_step(step_s, dp, pp, microbatches)
         key = key_from_stages(dp, pp, _failed_stages(fail))
         result = run(dp, pp, microbatches, key, costs, memory_bound)
         timeline = run_timeline(result.schedule, costs)

@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.memory.calibration import Calibration, GpuConstants, default_calibration
-from frenzy_prefect.spec.cluster import GpuType
+from frenzy_prefect.spec.gpu import GpuType
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import MemoryBreakdown, MemoryEstimate, ParallelPlan
 from frenzy_prefect.spec.request import Precision
