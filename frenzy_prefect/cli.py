@@ -461,8 +461,8 @@ def recycle_plan(
 ) -> None:
     """Plan one failure case: per stage the live workers, micro-batches each and bubble share; the
     iteration time and throughput relative to fault-free 1F1B; the planner's time."""
-    from frenzy_prefect.recycle.fault_free import costs_from_fault_free_step
     from frenzy_prefect.recycle.failures import key_from_stages
+    from frenzy_prefect.recycle.fault_free import costs_from_fault_free_step
     from frenzy_prefect.recycle.planners import planner
     from frenzy_prefect.recycle.schedule import one_f_one_b
     from frenzy_prefect.recycle.timeline import run_timeline, steady_state_period_s

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from frenzy_prefect.allocator.plans import plan_space
 from frenzy_prefect.allocator.step_time import fit_achievable_fraction, predict_step
 from frenzy_prefect.errors import FrenzyError
-from frenzy_prefect.memory.analytic import check_plan
+from frenzy_prefect.spec.layout import check_plan
 from frenzy_prefect.profiling.model import PRESETS
 from frenzy_prefect.scheduling.cluster import SimCluster
 from frenzy_prefect.scheduling.inputs import TraceJob, load_cluster, load_trace, shared_traces

@@ -17,9 +17,10 @@ from frenzy_prefect.allocator.step_time import (
     ring_all_reduce_factor,
     tensor_parallel_s,
 )
-from frenzy_prefect.memory.analytic import FP32, stage_parameters
+from frenzy_prefect.memory.analytic import FP32
 from frenzy_prefect.recycle.failures import RecycleInputError
 from frenzy_prefect.spec.gpu import GpuType
+from frenzy_prefect.spec.layout import stage_parameters
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import ParallelPlan
 from frenzy_prefect.spec.request import Precision
