@@ -198,7 +198,7 @@ def test_simulate_rejects_bad_input_in_one_line(tmp_path):
     nodes = tmp_path / "nodes.csv"
     nodes.write_text("sn,cpu_milli,memory_mib,gpu,model\nn0,1,1,8,G2\n")
     out = frenzy("simulate", "--trace", str(trace), "--cluster", str(nodes))
-    assert out.returncode == 2 and "unknown gpu_type 'G2'" in out.stderr and "A100-80GB" in out.stderr and "--gpu-types" in out.stderr
+    assert out.returncode == 2 and "unknown gpu_type 'G2'" in out.stderr and "A100-80GB" in out.stderr and "in a GPU types file given with it" in out.stderr
     types = tmp_path / "types.yaml"
     types.write_text("G2: {memory_bytes: -5}\n")
     out = frenzy("simulate", "--trace", str(trace), "--cluster", str(nodes), "--gpu-types", str(types))

@@ -207,5 +207,5 @@ def from_preset(model: str, gpu: str, *, dp: int, pp: int, microbatches: int, re
         raise FrenzyError(f"unknown GPU type {gpu!r}; known: {', '.join(GPU_CATALOG)}")
     spec = resolve_model(model)
     if pp > spec.layers:
-        raise FrenzyError(f"--pp {pp} is more stages than {spec.name} has layers ({spec.layers})")
+        raise FrenzyError(f"pp={pp} is more stages than {spec.name} has layers ({spec.layers})")
     return from_throughput_model(spec, GPU_CATALOG[gpu], dp=dp, pp=pp, microbatches=microbatches, reroute=reroute)

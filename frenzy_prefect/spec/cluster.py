@@ -49,7 +49,7 @@ class ClusterSpec(BaseModel):
             if node.gpu_type not in known:
                 raise ValueError(
                     f"node {node.name!r} has unknown gpu_type {node.gpu_type!r}; known types: "
-                    f"{', '.join(sorted(known))} (declare it under gpu_types, or in a file passed as --gpu-types)"
+                    f"{', '.join(sorted(known))} (declare it under gpu_types, in the cluster or in a GPU types file given with it)"
                 )
         return self
 

@@ -33,7 +33,7 @@ TIME_LIMIT_S = 10.0
 @contextmanager
 def _c_stdout_silenced() -> Iterator[None]:
     """HiGHS prints debugging lines from C straight to file descriptor 1 (``disp`` off or not),
-    which would corrupt ``frenzy simulate --json``."""
+    which would corrupt JSON its caller writes there."""
     sys.stdout.flush()
     saved, devnull = os.dup(1), os.open(os.devnull, os.O_WRONLY)
     try:
