@@ -13,7 +13,7 @@ from frenzy_prefect.recycle.failures import NeedsCheckpointRestart, RecycleInput
 from frenzy_prefect.recycle.in_flight import in_flight_peak
 from frenzy_prefect.recycle.planners import PLANNERS, planner
 from frenzy_prefect.recycle.planners import heuristic, milp
-from frenzy_prefect.recycle.schedule import Action
+from frenzy_prefect.recycle.schedule import Action, ActionKind
 from frenzy_prefect.recycle.timeline import run_timeline, steady_state_period_s
 from frenzy_prefect.recycle.validate import InvalidSchedule, validate, violations
 
@@ -173,7 +173,7 @@ def test_allreduce_uses_the_live_peers_and_normalises_by_the_global_count():
     costs = StageCosts.uniform(2, gradient_transfer=3.0)
     plan = heuristic.plan(4, 2, 4, (1, 0), costs)
     (ar,) = [a for a in plan.schedule.programs[(0, 0)] if a.kind == "AR"]
-    assert ar == Action("AR", divisor=16)
+    assert ar == Action(ActionKind.AR, divisor=16)
     timeline = run_timeline(plan.schedule, costs)
     program = plan.schedule.programs[(0, 0)]
     i = program.index(ar)

@@ -21,7 +21,7 @@ from frenzy_prefect.recycle.failures import (
     reroute,
 )
 from frenzy_prefect.recycle.in_flight import in_flight_bound, in_flight_peak
-from frenzy_prefect.recycle.schedule import Action, one_f_one_b, parse_action
+from frenzy_prefect.recycle.schedule import Action, ActionKind, one_f_one_b, parse_action
 from frenzy_prefect.recycle.timeline import ScheduleDeadlock, run_timeline, steady_state_period_s
 from frenzy_prefect.recycle.validate import InvalidSchedule, validate, violations
 from frenzy_prefect.spec.catalog import GPU_CATALOG
@@ -81,7 +81,8 @@ def test_action_strings_round_trip():
     for program in schedule.programs.values():
         for action in program:
             assert parse_action(str(action)) == action
-    assert str(Action("F", 1, 3)) == "F3@1" and str(Action("AR", divisor=128)) == "AR/128"
+    assert str(Action(ActionKind.F, 1, 3)) == "F3@1" and str(Action(ActionKind.AR, divisor=128)) == "AR/128"
+    assert parse_action("SA3@1>2").kind is ActionKind.SA and {type(a.kind) for a in schedule.programs[(0, 1)]} == {ActionKind}
     with pytest.raises(ValueError, match="not an action: 'X1'"):
         parse_action("X1")
 
@@ -91,6 +92,8 @@ def test_schedules_survive_json_and_compact_form():
 
     schedule = one_f_one_b(2, 3, 4)
     assert Schedule.model_validate_json(schedule.model_dump_json()) == schedule
+    assert '"programs":{"0,0":[["F",0,0,-1,0],["SA",0,0,0,0],' in schedule.model_dump_json()  # kinds serialise as their letters
+    assert {type(a.kind) for a in Schedule.model_validate_json(schedule.model_dump_json()).programs[(1, 2)]} == {ActionKind}
     compact = {f"{p},{s}": schedule.render((p, s)).split() for p, s in schedule.programs}
     assert Schedule(dp=2, pp=3, microbatches=4, programs=compact) == schedule
 
