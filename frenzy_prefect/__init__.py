@@ -1,7 +1,7 @@
 """frenzy-prefect: serverless, memory-aware LLM training on heterogeneous GPU clusters.
 
-The core (``spec``, ``profiling``, ``memory``, ``allocator``, ``training``, ``launch``) is plain
-Python over pydantic models and imports no Prefect. The Prefect shell lives in ``tasks``,
+The core (``spec``, ``profiling``, ``memory``, ``allocator``, ``training``, ``launch``,
+``scheduling``, ``recycle``) is plain Python over pydantic models and imports no Prefect. The Prefect shell lives in ``tasks``,
 ``flows``, ``blocks`` and ``worker``; ``collection`` registers it with Prefect.
 """
 
