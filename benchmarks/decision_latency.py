@@ -18,12 +18,12 @@ from pathlib import Path
 
 from benchmarks import p99, write_result
 from benchmarks.scheduling_jct import CLUSTERS
-from frenzy_prefect.simulation.cluster import SimCluster
-from frenzy_prefect.simulation.inputs import load_cluster, load_trace, shared_traces
-from frenzy_prefect.simulation.jobs import SimJob, Waiting, sim_jobs
-from frenzy_prefect.simulation.policies import make_policy
-from frenzy_prefect.simulation.policies.base import Start
-from frenzy_prefect.simulation.simulator import start_run
+from frenzy_prefect.scheduling.cluster import SimCluster
+from frenzy_prefect.scheduling.inputs import load_cluster, load_trace, shared_traces
+from frenzy_prefect.scheduling.jobs import SimJob, Waiting, sim_jobs
+from frenzy_prefect.scheduling.policies import make_policy
+from frenzy_prefect.scheduling.policies.base import Start
+from frenzy_prefect.scheduling.simulator import start_run
 from frenzy_prefect.spec.cluster import ClusterSpec
 
 SIZES = [64, 512, 2048, 6212]

@@ -15,7 +15,7 @@ documentation (not copied code):
 
 from __future__ import annotations
 
-from frenzy_prefect.memory.analytic import stage_layer_counts, stage_parameters
+from frenzy_prefect.spec.layout import stage_layer_counts, stage_parameters
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import ParallelPlan
 

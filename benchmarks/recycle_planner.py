@@ -2,7 +2,7 @@
 the MILP, planner wall time, and plan-cache lookup time.
 
 For dp x pp = 4 x 8 and 8 x 4 with 32 micro-batches per pipeline, costs from
-``StageCosts.from_fault_free_step(1.0, ...)`` (F:B:W = 1:1:1, a p2p send 5% of F, all-reduce 5% and
+``fault_free.costs_from_fault_free_step(1.0, ...)`` (F:B:W = 1:1:1, a p2p send 5% of F, all-reduce 5% and
 optimizer 1% of the step), and failure counts 1, 2 and 4, spread over stages or concentrated in
 one stage, each planned with no memory bound and with every worker bounded to pp micro-batches in
 flight (what 1F1B's first stage holds). ``lower bound`` is the work bound every schedule obeys
@@ -23,8 +23,8 @@ from pathlib import Path
 
 from benchmarks import write_result
 from frenzy_prefect.recycle.cache import PlanCache
-from frenzy_prefect.recycle.costs import StageCosts
 from frenzy_prefect.recycle.failures import NeedsCheckpointRestart, key_from_stages
+from frenzy_prefect.recycle.fault_free import costs_from_fault_free_step
 from frenzy_prefect.recycle.planners import heuristic, milp
 from frenzy_prefect.recycle.schedule import one_f_one_b
 from frenzy_prefect.recycle.timeline import steady_state_period_s
@@ -57,7 +57,7 @@ def main() -> None:
     rows = []
     print(f"{'dp x pp':>8} {'failures':<17}{'bound':>6}{'heuristic':>10}{'milp':>8}{'lower bd':>9}{'steady':>8}{'h/milp':>8}{'h ms':>8}{'milp s':>8}  status")
     for dp, pp in SHAPES:
-        costs = StageCosts.from_fault_free_step(1.0, dp, pp, MICROBATCHES)
+        costs = costs_from_fault_free_step(1.0, dp, pp, MICROBATCHES)
         fault_free_period = steady_state_period_s(one_f_one_b(dp, pp, MICROBATCHES), costs)
         for name, stages in patterns(pp):
             for bound in (None, pp):
@@ -94,7 +94,7 @@ def main() -> None:
                 )
 
     dp, pp = SHAPES[0]
-    costs = StageCosts.from_fault_free_step(1.0, dp, pp, MICROBATCHES)
+    costs = costs_from_fault_free_step(1.0, dp, pp, MICROBATCHES)
     started = time.perf_counter()
     cache = PlanCache(dp, pp, MICROBATCHES, costs, max_failures=1)
     build_s = time.perf_counter() - started

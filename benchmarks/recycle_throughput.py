@@ -24,9 +24,9 @@ from benchmarks import write_result
 from frenzy_prefect.recycle.iteration import DEFAULT_GPU, DEFAULT_MODEL, balanced_reroute_bound, bubble_filling_bound, from_preset, planned_reroute
 from frenzy_prefect.recycle.knobs import Knobs
 from frenzy_prefect.recycle.policies import POLICIES, make_policy
-from frenzy_prefect.recycle.simulator import simulate
+from frenzy_prefect.recycle.replay import simulate
 from frenzy_prefect.recycle.traces import FailureTrace, load_failure_trace, shrink_trace, transient_trace
-from frenzy_prefect.simulation.inputs import shared_traces
+from frenzy_prefect.scheduling.inputs import shared_traces
 
 GRIDS = [(4, 8), (8, 4)]
 MICROBATCHES = 32

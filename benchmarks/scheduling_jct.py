@@ -14,10 +14,10 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from benchmarks import write_result
-from frenzy_prefect.simulation.inputs import load_cluster, load_trace, shared_traces
-from frenzy_prefect.simulation.jobs import sim_jobs
-from frenzy_prefect.simulation.policies import POLICIES, make_policy
-from frenzy_prefect.simulation.simulator import simulate
+from frenzy_prefect.scheduling.inputs import load_cluster, load_trace, shared_traces
+from frenzy_prefect.scheduling.jobs import sim_jobs
+from frenzy_prefect.scheduling.policies import POLICIES, make_policy
+from frenzy_prefect.scheduling.simulator import simulate
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "clusters"
 CLUSTERS = {

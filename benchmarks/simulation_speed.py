@@ -12,10 +12,10 @@ from pathlib import Path
 
 from benchmarks import write_result
 from benchmarks.scheduling_jct import CLUSTERS
-from frenzy_prefect.simulation.inputs import load_cluster, load_trace, shared_traces
-from frenzy_prefect.simulation.jobs import sim_jobs
-from frenzy_prefect.simulation.policies import POLICIES, make_policy
-from frenzy_prefect.simulation.simulator import simulate
+from frenzy_prefect.scheduling.inputs import load_cluster, load_trace, shared_traces
+from frenzy_prefect.scheduling.jobs import sim_jobs
+from frenzy_prefect.scheduling.policies import POLICIES, make_policy
+from frenzy_prefect.scheduling.simulator import simulate
 
 
 def main() -> None:

@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.memory import estimate, peak_bytes
-from frenzy_prefect.memory.analytic import parameter_sizes, uses_ddp
 from frenzy_prefect.memory.calibration import Calibration, GpuConstants, fit
 from frenzy_prefect.profiling.model import PRESETS
 from frenzy_prefect.spec.catalog import GPU_CATALOG
+from frenzy_prefect.spec.layout import parameter_sizes, uses_ddp
 from frenzy_prefect.spec.plan import ParallelPlan
 from frenzy_prefect.spec.request import OptimizerSettings
 from frenzy_prefect.training.gpt import GPT

@@ -8,12 +8,13 @@ from hypothesis import strategies as st
 
 from frenzy_prefect.recycle.cache import PlanCache, failure_keys
 from frenzy_prefect.recycle.costs import StageCosts
+from frenzy_prefect.recycle.fault_free import costs_from_fault_free_step, fault_free_iteration_s
 from frenzy_prefect.recycle.failures import NeedsCheckpointRestart, RecycleInputError, canonical_failed
-from frenzy_prefect.recycle.memory import in_flight_peak
+from frenzy_prefect.recycle.in_flight import in_flight_peak
 from frenzy_prefect.recycle.planners import PLANNERS, planner
 from frenzy_prefect.recycle.planners import heuristic, milp
-from frenzy_prefect.recycle.schedule import Action
-from frenzy_prefect.recycle.timeline import fault_free_iteration_s, run_timeline, steady_state_period_s
+from frenzy_prefect.recycle.schedule import Action, ActionKind
+from frenzy_prefect.recycle.timeline import run_timeline, steady_state_period_s
 from frenzy_prefect.recycle.validate import InvalidSchedule, validate, violations
 
 
@@ -57,7 +58,7 @@ def test_milp_schedules_validate_and_never_lose_to_the_heuristic(case, data):
 
 @pytest.mark.parametrize(("dp", "pp", "m"), [(2, 2, 4), (3, 4, 8), (2, 3, 6), (3, 2, 5)])
 def test_milp_is_optimal_and_at_least_as_good_on_small_cases(dp, pp, m):
-    costs = StageCosts.from_fault_free_step(1.0, dp, pp, m)
+    costs = costs_from_fault_free_step(1.0, dp, pp, m)
     for key in failure_keys(dp, pp, 1):
         h, opt = heuristic.plan(dp, pp, m, key, costs), milp.plan(dp, pp, m, key, costs)
         assert opt.status == "optimal" and opt.mip_gap is not None and opt.mip_gap <= milp.MIP_REL_GAP
@@ -91,7 +92,7 @@ def test_mutated_planned_schedules_are_rejected(case, name, data):
 
 def test_one_failure_costs_throughput_but_less_than_the_naive_bound():
     dp, pp, m = 4, 4, 8
-    costs = StageCosts.from_fault_free_step(1.0, dp, pp, m)
+    costs = costs_from_fault_free_step(1.0, dp, pp, m)
     healthy = heuristic.plan(dp, pp, m, (0,) * pp, costs)
     for stage in range(pp):
         key = tuple(1 if s == stage else 0 for s in range(pp))
@@ -104,7 +105,7 @@ def test_one_failure_costs_throughput_but_less_than_the_naive_bound():
 
 
 def test_staggered_steps_let_the_next_warm_up_overlap_a_late_stages_tail():
-    costs = StageCosts.from_fault_free_step(1.0, 4, 4, 8)
+    costs = costs_from_fault_free_step(1.0, 4, 4, 8)
     plan = heuristic.plan(4, 4, 8, (0, 0, 0, 1), costs)
     period = steady_state_period_s(plan.schedule, costs)
     assert period < plan.iteration_s
@@ -114,7 +115,7 @@ def test_staggered_steps_let_the_next_warm_up_overlap_a_late_stages_tail():
 
 
 def test_a_failure_in_a_wide_shallow_pipeline_keeps_over_90_percent():
-    costs = StageCosts.from_fault_free_step(1.0, 8, 4, 32)
+    costs = costs_from_fault_free_step(1.0, 8, 4, 32)
     plan = heuristic.plan(8, 4, 32, (1, 0, 0, 0), costs)
     assert plan.relative_throughput > 0.9
     # The first stage's hosts never idle: the schedule meets the work bound.
@@ -129,7 +130,7 @@ def test_without_failures_deferring_w_fills_the_1f1b_bubble():
 
 
 def test_the_heuristic_uses_every_live_peer_and_respects_the_memory_bound():
-    costs = StageCosts.from_fault_free_step(1.0, 4, 3, 8)
+    costs = costs_from_fault_free_step(1.0, 4, 3, 8)
     plan = heuristic.plan(4, 3, 8, (0, 2, 0), costs, memory_bound=[3, 2, 1])
     assert {plan.schedule.compute_counts((p, 1)) for p in (0, 1)} == {16}
     peaks = [max(in_flight_peak(plan.schedule, (p, s)) for p in plan.schedule.live(s)) for s in range(3)]
@@ -151,7 +152,7 @@ def test_planners_reject_bad_inputs():
 
 
 def test_cache_looks_up_any_failed_set_with_the_same_counts():
-    costs = StageCosts.from_fault_free_step(1.0, 3, 3, 4)
+    costs = costs_from_fault_free_step(1.0, 3, 3, 4)
     cache = PlanCache(3, 3, 4, costs, max_failures=2)
     assert len(cache) == len(failure_keys(3, 3, 2)) == 10
     a, b = cache.lookup({(0, 2), (1, 0)}), cache.lookup({(2, 2), (0, 0)})
@@ -172,7 +173,7 @@ def test_allreduce_uses_the_live_peers_and_normalises_by_the_global_count():
     costs = StageCosts.uniform(2, gradient_transfer=3.0)
     plan = heuristic.plan(4, 2, 4, (1, 0), costs)
     (ar,) = [a for a in plan.schedule.programs[(0, 0)] if a.kind == "AR"]
-    assert ar == Action("AR", divisor=16)
+    assert ar == Action(ActionKind.AR, divisor=16)
     timeline = run_timeline(plan.schedule, costs)
     program = plan.schedule.programs[(0, 0)]
     i = program.index(ar)
@@ -198,7 +199,7 @@ def test_the_plan_cache_drives_the_simulators_iteration_model():
     dp, pp, m = 2, 4, 8
     table = from_step_time_table(StepTimeTable({dp * pp: 1.5}), dp=dp, pp=pp, microbatches=m)
     fault_free = table.fault_free_s(dp, pp)
-    cache = PlanCache(dp, pp, m, StageCosts.from_fault_free_step(fault_free, dp, pp, m), max_failures=1)
+    cache = PlanCache(dp, pp, m, costs_from_fault_free_step(fault_free, dp, pp, m), max_failures=1)
     wired = IterationTimes(dp, pp, m, table.fault_free, cache.rerouted_s)
     pessimistic, optimistic = balanced_reroute_bound(fault_free, dp), bubble_filling_bound(fault_free, dp, pp, m)
     for key in failure_keys(dp, pp, 1)[1:]:

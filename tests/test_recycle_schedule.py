@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from frenzy_prefect.profiling.model import PRESETS
 from frenzy_prefect.recycle.costs import StageCosts
+from frenzy_prefect.recycle.fault_free import costs_from_fault_free_step, fault_free_iteration_s
 from frenzy_prefect.recycle.failures import (
     NeedsCheckpointRestart,
     RecycleInputError,
@@ -19,9 +20,9 @@ from frenzy_prefect.recycle.failures import (
     pipeline_maps,
     reroute,
 )
-from frenzy_prefect.recycle.memory import in_flight_bound, in_flight_peak
-from frenzy_prefect.recycle.schedule import Action, one_f_one_b, parse_action
-from frenzy_prefect.recycle.timeline import ScheduleDeadlock, fault_free_iteration_s, run_timeline, steady_state_period_s
+from frenzy_prefect.recycle.in_flight import in_flight_bound, in_flight_peak
+from frenzy_prefect.recycle.schedule import Action, ActionKind, one_f_one_b, parse_action
+from frenzy_prefect.recycle.timeline import ScheduleDeadlock, run_timeline, steady_state_period_s
 from frenzy_prefect.recycle.validate import InvalidSchedule, validate, violations
 from frenzy_prefect.spec.catalog import GPU_CATALOG
 from frenzy_prefect.spec.plan import ParallelPlan
@@ -49,16 +50,16 @@ def test_p2p_allreduce_and_optimizer_add_to_the_critical_path():
 @settings(max_examples=40)
 def test_costs_from_a_fault_free_step_reproduce_it(shape, step_s, allreduce, optimizer, p2p):
     dp, pp, m = shape
-    costs = StageCosts.from_fault_free_step(step_s, dp, pp, m, allreduce_fraction=allreduce, optimizer_fraction=optimizer, p2p_per_forward=p2p)
+    costs = costs_from_fault_free_step(step_s, dp, pp, m, allreduce_fraction=allreduce, optimizer_fraction=optimizer, p2p_per_forward=p2p)
     assert fault_free_iteration_s(costs, dp, pp, m) == pytest.approx(step_s, rel=1e-9)
     assert costs.forward_s[0] == pytest.approx(costs.backward_input_s[0]) == pytest.approx(costs.backward_weight_s[0])
 
 
 def test_costs_from_a_fault_free_step_reject_impossible_fractions():
     with pytest.raises(RecycleInputError, match=r"allreduce_fraction \(0.7\) and optimizer_fraction \(0.4\) must be >= 0 and sum below 1"):
-        StageCosts.from_fault_free_step(1.0, 2, 2, 4, allreduce_fraction=0.7, optimizer_fraction=0.4)
+        costs_from_fault_free_step(1.0, 2, 2, 4, allreduce_fraction=0.7, optimizer_fraction=0.4)
     with pytest.raises(RecycleInputError, match="microbatches must be a positive integer, got 0"):
-        StageCosts.from_fault_free_step(1.0, 2, 2, 0)
+        costs_from_fault_free_step(1.0, 2, 2, 0)
 
 
 def test_costs_from_the_throughput_model_are_close_to_its_step():
@@ -80,7 +81,8 @@ def test_action_strings_round_trip():
     for program in schedule.programs.values():
         for action in program:
             assert parse_action(str(action)) == action
-    assert str(Action("F", 1, 3)) == "F3@1" and str(Action("AR", divisor=128)) == "AR/128"
+    assert str(Action(ActionKind.F, 1, 3)) == "F3@1" and str(Action(ActionKind.AR, divisor=128)) == "AR/128"
+    assert parse_action("SA3@1>2").kind is ActionKind.SA and {type(a.kind) for a in schedule.programs[(0, 1)]} == {ActionKind}
     with pytest.raises(ValueError, match="not an action: 'X1'"):
         parse_action("X1")
 
@@ -90,6 +92,8 @@ def test_schedules_survive_json_and_compact_form():
 
     schedule = one_f_one_b(2, 3, 4)
     assert Schedule.model_validate_json(schedule.model_dump_json()) == schedule
+    assert '"programs":{"0,0":[["F",0,0,-1,0],["SA",0,0,0,0],' in schedule.model_dump_json()  # kinds serialise as their letters
+    assert {type(a.kind) for a in Schedule.model_validate_json(schedule.model_dump_json()).programs[(1, 2)]} == {ActionKind}
     compact = {f"{p},{s}": schedule.render((p, s)).split() for p, s in schedule.programs}
     assert Schedule(dp=2, pp=3, microbatches=4, programs=compact) == schedule
 

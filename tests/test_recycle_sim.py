@@ -10,7 +10,7 @@ from frenzy_prefect.recycle.knobs import Knobs
 from frenzy_prefect.recycle.policies import POLICIES, make_policy
 from frenzy_prefect.recycle.policies.base import View, reform
 from frenzy_prefect.recycle.membership import Membership
-from frenzy_prefect.recycle.simulator import simulate
+from frenzy_prefect.recycle.replay import simulate
 from frenzy_prefect.recycle.traces import FailureTrace, NodeEvent, shrink_trace, transient_trace
 
 T = 10.0  # fault-free iteration seconds of the full grid

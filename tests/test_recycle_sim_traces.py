@@ -15,7 +15,7 @@ from frenzy_prefect.recycle.iteration import (
 )
 from frenzy_prefect.recycle.membership import Membership, load_mapping
 from frenzy_prefect.recycle.traces import NodeEvent, load_failure_trace, shrink_trace, transient_trace
-from frenzy_prefect.simulation.inputs import shared_traces
+from frenzy_prefect.scheduling.inputs import shared_traces
 
 FAILURES = shared_traces() / "failures"
 needs_traces = pytest.mark.skipif(not FAILURES.exists(), reason="the shared traces are not beside this checkout")

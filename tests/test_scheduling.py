@@ -11,15 +11,15 @@ from hypothesis import strategies as st
 from frenzy_prefect.allocator.plans import plan_space
 from frenzy_prefect.allocator.step_time import fit_achievable_fraction, predict_step
 from frenzy_prefect.errors import FrenzyError
-from frenzy_prefect.memory.analytic import check_plan
+from frenzy_prefect.spec.layout import check_plan
 from frenzy_prefect.profiling.model import PRESETS
-from frenzy_prefect.simulation.cluster import SimCluster
-from frenzy_prefect.simulation.inputs import TraceJob, load_cluster, load_trace, shared_traces
-from frenzy_prefect.simulation.jobs import SimJob, sim_jobs
-from frenzy_prefect.simulation.options import frontier, naive_plans
-from frenzy_prefect.simulation.policies import POLICIES, make_policy
-from frenzy_prefect.simulation.policies.frenzy import Reservation
-from frenzy_prefect.simulation.simulator import simulate
+from frenzy_prefect.scheduling.cluster import SimCluster
+from frenzy_prefect.scheduling.inputs import TraceJob, load_cluster, load_trace, shared_traces
+from frenzy_prefect.scheduling.jobs import SimJob, sim_jobs
+from frenzy_prefect.scheduling.options import frontier, naive_plans
+from frenzy_prefect.scheduling.policies import POLICIES, make_policy
+from frenzy_prefect.scheduling.policies.frenzy import Reservation
+from frenzy_prefect.scheduling.simulator import simulate
 from frenzy_prefect.spec.catalog import GPU_CATALOG
 from frenzy_prefect.spec.cluster import ClusterSpec
 from frenzy_prefect.spec.plan import ParallelPlan, Placement
@@ -198,7 +198,7 @@ def test_simulate_rejects_bad_input_in_one_line(tmp_path):
     nodes = tmp_path / "nodes.csv"
     nodes.write_text("sn,cpu_milli,memory_mib,gpu,model\nn0,1,1,8,G2\n")
     out = frenzy("simulate", "--trace", str(trace), "--cluster", str(nodes))
-    assert out.returncode == 2 and "unknown gpu_type 'G2'" in out.stderr and "A100-80GB" in out.stderr and "--gpu-types" in out.stderr
+    assert out.returncode == 2 and "unknown gpu_type 'G2'" in out.stderr and "A100-80GB" in out.stderr and "in a GPU types file given with it" in out.stderr
     types = tmp_path / "types.yaml"
     types.write_text("G2: {memory_bytes: -5}\n")
     out = frenzy("simulate", "--trace", str(trace), "--cluster", str(nodes), "--gpu-types", str(types))

@@ -9,7 +9,8 @@ from typing import Literal
 from frenzy_prefect.allocator.step_time import predict_step
 from frenzy_prefect.errors import NoFeasiblePlan
 from frenzy_prefect.memory.analytic import estimate
-from frenzy_prefect.spec.cluster import ClusterSpec, GpuType
+from frenzy_prefect.spec.cluster import ClusterSpec
+from frenzy_prefect.spec.gpu import GpuType
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import ParallelPlan, PlanCandidate
 from frenzy_prefect.spec.request import TrainingRequest

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from frenzy_prefect.memory.analytic import COMPUTE_BYTES, FP32, stage_parameters
-from frenzy_prefect.spec.cluster import GpuType
+from frenzy_prefect.memory.analytic import COMPUTE_BYTES, FP32
+from frenzy_prefect.spec.gpu import GpuType
+from frenzy_prefect.spec.layout import stage_parameters
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import ParallelPlan
 from frenzy_prefect.spec.request import Precision

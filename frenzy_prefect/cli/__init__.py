@@ -1,4 +1,4 @@
-"""The `frenzy` command line. Subcommands and their --json output are a contract (DESIGN.md 4).
+"""The `frenzy` command line. Subcommands and their --json output are a contract (docs/architecture.md, Contracts).
 Commands parse, call the core and print; bad input prints one line on stderr and exits 2, no
 traceback (`common.one_line_errors`, run by the top-level group for every command). Importing
 this package imports neither torch nor Prefect: commands that need them import them inside."""

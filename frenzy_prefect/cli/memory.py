@@ -1,5 +1,5 @@
 """`frenzy estimate`, `measure`, `calibrate` and `presets`: a plan's per-GPU memory, predicted or
-measured (the same options, the same schema: DESIGN.md 4), and the estimator's calibration."""
+measured (the same options, the same schema: docs/architecture.md, Contracts), and the estimator's calibration."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from frenzy_prefect.units import gib
 
 
 class Workload:
-    """The options ``estimate`` and ``measure`` share, validated once (DESIGN.md 4: same options, same schema)."""
+    """The options ``estimate`` and ``measure`` share, validated once (the same options, the same schema: docs/architecture.md, Contracts)."""
 
     def __init__(self, model, dp, tp, pp, micro_batch, global_batch, seq_len, zero, recompute, precision, optimizer, gpu):
         from frenzy_prefect.profiling.model import resolve_model
@@ -60,7 +60,7 @@ JSON = typer.Option(False, "--json")
 
 
 def _memory_command(per_rank: Callable[[Workload], PerRank], doc: str) -> Callable[..., None]:
-    """``estimate`` or ``measure``: the same options and the same schema (DESIGN.md 4)."""
+    """``estimate`` or ``measure``: the same options and the same schema (docs/architecture.md, Contracts)."""
 
     def command(
         model: str = MODEL_ARG, dp: int = DP, tp: int = TP, pp: int = PP, micro_batch: int = MICRO_BATCH,

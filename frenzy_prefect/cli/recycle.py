@@ -45,7 +45,7 @@ def simulate(
     from frenzy_prefect.recycle.iteration import from_preset, from_step_time_table, load_step_time_table
     from frenzy_prefect.recycle.membership import load_mapping
     from frenzy_prefect.recycle.policies import make_policy
-    from frenzy_prefect.recycle.simulator import simulate as replay
+    from frenzy_prefect.recycle.replay import simulate as replay
     from frenzy_prefect.recycle.traces import load_failure_trace
 
     chosen = make_policy(policy)

@@ -22,10 +22,10 @@ def simulate(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Replay a job trace on a cluster under one scheduling policy."""
-    from frenzy_prefect.simulation.inputs import load_cluster, load_trace
-    from frenzy_prefect.simulation.jobs import sim_jobs
-    from frenzy_prefect.simulation.policies import make_policy
-    from frenzy_prefect.simulation.simulator import simulate as run
+    from frenzy_prefect.scheduling.inputs import load_cluster, load_trace
+    from frenzy_prefect.scheduling.jobs import sim_jobs
+    from frenzy_prefect.scheduling.policies import make_policy
+    from frenzy_prefect.scheduling.simulator import simulate as run
 
     chosen = make_policy(policy)
     result = run(sim_jobs(load_trace(trace)), load_cluster(cluster, gpu_types), chosen)

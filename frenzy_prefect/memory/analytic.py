@@ -27,9 +27,9 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import NamedTuple
 
-from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.memory.calibration import Calibration, GpuConstants, default_calibration
-from frenzy_prefect.spec.cluster import GpuType
+from frenzy_prefect.spec.gpu import GpuType
+from frenzy_prefect.spec.layout import check_plan, layer_parameters, parameter_sizes, stage_shapes, uses_ddp, zero_bucket_elements
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import MemoryBreakdown, MemoryEstimate, ParallelPlan
 from frenzy_prefect.spec.request import Precision
@@ -37,97 +37,6 @@ from frenzy_prefect.spec.request import Precision
 COMPUTE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
 FP32 = 4
 INDEX = 8  # token ids are int64
-
-
-def check_plan(model: ModelSpec, plan: ParallelPlan) -> None:
-    """Reject plans the model cannot be split into, naming the accepted values."""
-    t = plan.tp
-    if model.heads % t or model.hidden % t or model.ffn_hidden % t:
-        ok = [d for d in range(1, model.heads + 1) if model.heads % d == 0 and model.hidden % d == 0 and model.ffn_hidden % d == 0]
-        raise FrenzyError(
-            f"tp ({t}) must divide heads ({model.heads}), hidden ({model.hidden}) and ffn_hidden ({model.ffn_hidden}); accepted: {ok}"
-        )
-    if plan.pp > model.layers:
-        raise FrenzyError(f"pp ({plan.pp}) must not exceed the number of layers ({model.layers}); accepted: 1..{model.layers}")
-    if plan.zero and (plan.tp > 1 or plan.pp > 1):
-        raise FrenzyError(f"zero={plan.zero} is modelled as DeepSpeed runs it here, over data parallelism only; use tp=1 and pp=1, or zero=0 with tp/pp")
-
-
-def uses_ddp(plan: ParallelPlan) -> bool:
-    """Whether the engine reduces gradients through DDP (overlapped with the backward): plain data
-    parallelism. DDP's buckets are the gradients, but it rebuilds them once, in the order the
-    gradients became ready, at the second step's forward: a second set exists for that moment."""
-    return plan.dp > 1 and plan.tp == 1 and plan.pp == 1 and not plan.zero
-
-
-@lru_cache(maxsize=1024)
-def stage_layer_counts(layers: int, pp: int) -> tuple[int, ...]:
-    """Layers per pipeline stage; the first stages take the remainder."""
-    base, extra = divmod(layers, pp)
-    return tuple(base + (1 if s < extra else 0) for s in range(pp))
-
-
-def block_tensors(model: ModelSpec, tp: int) -> list[int]:
-    """Elements of one block's parameter tensors on tensor-parallel rank 0, in ``Block`` order:
-    LayerNorm, QKV (column-split), projection (row-split, its bias kept on rank 0), LayerNorm,
-    MLP-in (column-split), MLP-out (row-split, bias on rank 0)."""
-    h, f = model.hidden, model.ffn_hidden
-    return [h, h, 3 * h * h // tp, 3 * h // tp, h * h // tp, h, h, h, f * h // tp, f // tp, h * f // tp, h]
-
-
-@lru_cache(maxsize=1024)
-def layer_parameters(model: ModelSpec, tp: int) -> tuple[int, int]:
-    """(all, those of the linear layers) parameters of one block on tensor-parallel rank 0."""
-    sizes = block_tensors(model, tp)
-    norms = sizes[0] + sizes[1] + sizes[6] + sizes[7]
-    return sum(sizes), sum(sizes) - norms
-
-
-def stage_parameters(model: ModelSpec, plan: ParallelPlan, stage: int) -> int:
-    """Parameters on a rank of a stage: its layers (tp rank 0), the embeddings on the first stage,
-    the final norm and head on the last (a separate copy of a tied embedding when the stages differ).
-    Embeddings and head are replicated over tp."""
-    n = stage_layer_counts(model.layers, plan.pp)[stage] * layer_parameters(model, plan.tp)[0]
-    if stage == 0:
-        n += model.embedding_parameters
-    if stage == plan.pp - 1:
-        n += model.head_parameters
-        if model.tied_embeddings and plan.pp > 1:
-            n += model.padded_vocab * model.hidden
-    return n
-
-
-def largest_tensor(model: ModelSpec, plan: ParallelPlan, stage: int) -> int:
-    """Elements of the largest parameter tensor on a rank of ``stage``."""
-    h = model.hidden
-    sizes = block_tensors(model, plan.tp)
-    if stage == 0:
-        sizes += [model.padded_vocab * h, model.max_seq_len * h]
-    if stage == plan.pp - 1 and (not model.tied_embeddings or plan.pp > 1):
-        sizes.append(model.padded_vocab * h)
-    return max(sizes)
-
-
-@lru_cache(maxsize=4096)
-def stage_shapes(model: ModelSpec, tp: int, pp: int) -> tuple[tuple[int, int, int], ...]:
-    """Per pipeline stage: (layers, parameters, largest parameter tensor) of one of its ranks."""
-    plan = ParallelPlan(tp=tp, pp=pp)
-    counts = stage_layer_counts(model.layers, pp)
-    return tuple((counts[s], stage_parameters(model, plan, s), largest_tensor(model, plan, s)) for s in range(pp))
-
-
-def zero_bucket_elements(model: ModelSpec) -> int:
-    """DeepSpeed's communication buckets, sized to the model as the Hugging Face integration's
-    "auto" does (hidden^2 elements) rather than DeepSpeed's 5e8-element GPU defaults."""
-    return model.hidden**2
-
-
-def parameter_sizes(model: ModelSpec) -> list[int]:
-    """Elements of every parameter tensor of the whole model, in ``GPT.parameters()`` order (the
-    order DeepSpeed flattens and partitions them in)."""
-    h, V = model.hidden, model.padded_vocab
-    sizes = [V * h, model.max_seq_len * h] + block_tensors(model, 1) * model.layers + [h, h]
-    return sizes + ([] if model.tied_embeddings else [V * h])
 
 
 def partition_overlap(sizes: list[int], part: int, rank: int) -> int:

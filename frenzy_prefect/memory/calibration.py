@@ -16,7 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
 
 from frenzy_prefect.errors import FrenzyError
-from frenzy_prefect.spec.cluster import GpuType
+from frenzy_prefect.spec.gpu import GpuType
 
 PACKAGED = Path(__file__).with_name("calibration.json")
 ENV = "FRENZY_CALIBRATION"

@@ -1,4 +1,4 @@
-"""The per-rank memory report `frenzy estimate` and `frenzy measure` print (DESIGN.md 4: one schema):
+"""The per-rank memory report `frenzy estimate` and `frenzy measure` print (one schema: docs/architecture.md, Contracts):
 the peak over ranks, then every rank with its pipeline stage and breakdown by category."""
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ def read_gpus() -> list[GpuInfo]:
     except pynvml.NVMLError as exc:
         raise FrenzyError(
             f"NVML is not available on this machine ({exc}): is the NVIDIA driver installed? "
-            "Without it, declare the node in a cluster file and save it with `frenzy cluster save`"
+            "Without it, declare the node in a cluster file (and save that as a FrenzyCluster block)"
         ) from None
     try:
         return [_gpu(pynvml, i) for i in range(pynvml.nvmlDeviceGetCount())]

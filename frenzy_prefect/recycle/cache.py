@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from frenzy_prefect.recycle.costs import StageCosts
 from frenzy_prefect.recycle.failures import FailureKey, RecycleInputError, Worker, check_key, normalise, pipeline_maps
-from frenzy_prefect.recycle.memory import MemoryBound
+from frenzy_prefect.recycle.in_flight import MemoryBound
 from frenzy_prefect.recycle.planners import Plan, planner
 
 
@@ -60,7 +60,7 @@ class PlanCache:
         return self.plans[key]
 
     def rerouted_s(self, failures_per_stage: tuple[int, ...]) -> float:
-        """The iteration time under these failures per stage: what the resilience simulator's
+        """The iteration time under these failures per stage: what the failure replay's
         IterationTimes takes as ``reroute``."""
         return self.plan(failures_per_stage).iteration_s
 

@@ -1,4 +1,4 @@
-"""One failure case planned and summarised (what `frenzy recycle plan` prints, DESIGN.md 4): per
+"""One failure case planned and summarised (what `frenzy recycle plan` prints): per
 stage the live workers, micro-batches each and bubble share; the iteration time and throughput
 relative to fault-free 1F1B, one iteration alone and back to back; the planner's time."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from frenzy_prefect.recycle.costs import StageCosts
 from frenzy_prefect.recycle.failures import key_from_stages
+from frenzy_prefect.recycle.fault_free import costs_from_fault_free_step
 from frenzy_prefect.recycle.planners import planner
 from frenzy_prefect.recycle.schedule import one_f_one_b
 from frenzy_prefect.recycle.timeline import run_timeline, steady_state_period_s
@@ -22,7 +22,7 @@ def plan_case(
     gone, with F:B:W costs following from a fault-free iteration of ``step_s`` seconds. The result
     is the `recycle plan --json` schema; with ``actions``, also every worker's action list."""
     run = planner(planner_name)
-    costs = StageCosts.from_fault_free_step(step_s, dp, pp, microbatches)
+    costs = costs_from_fault_free_step(step_s, dp, pp, microbatches)
     key = key_from_stages(dp, pp, failed_stages)
     result = run(dp, pp, microbatches, key, costs, memory_bound)
     timeline = run_timeline(result.schedule, costs)

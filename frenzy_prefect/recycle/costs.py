@@ -17,9 +17,10 @@ from frenzy_prefect.allocator.step_time import (
     ring_all_reduce_factor,
     tensor_parallel_s,
 )
-from frenzy_prefect.memory.analytic import FP32, stage_parameters
-from frenzy_prefect.recycle.failures import RecycleInputError, check_shape
-from frenzy_prefect.spec.cluster import GpuType
+from frenzy_prefect.memory.analytic import FP32
+from frenzy_prefect.recycle.failures import RecycleInputError
+from frenzy_prefect.spec.gpu import GpuType
+from frenzy_prefect.spec.layout import stage_parameters
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import ParallelPlan
 from frenzy_prefect.spec.request import Precision
@@ -31,14 +32,16 @@ _COMPUTE_FIELD = {"F": "forward_s", "B": "backward_input_s", "W": "backward_weig
 
 
 class StageCosts(BaseModel):
+    """Frozen and made of tuples, so hashable: caches key on it directly."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    forward_s: list[NonNegativeFloat] = Field(min_length=1)
-    backward_input_s: list[NonNegativeFloat] = Field(min_length=1)
-    backward_weight_s: list[NonNegativeFloat] = Field(min_length=1)
+    forward_s: tuple[NonNegativeFloat, ...] = Field(min_length=1)
+    backward_input_s: tuple[NonNegativeFloat, ...] = Field(min_length=1)
+    backward_weight_s: tuple[NonNegativeFloat, ...] = Field(min_length=1)
     p2p_s: NonNegativeFloat = 0.0
-    gradient_transfer_s: list[NonNegativeFloat] = Field(min_length=1)
-    optimizer_s: list[NonNegativeFloat] = Field(min_length=1)
+    gradient_transfer_s: tuple[NonNegativeFloat, ...] = Field(min_length=1)
+    optimizer_s: tuple[NonNegativeFloat, ...] = Field(min_length=1)
 
     @model_validator(mode="after")
     def _same_length(self) -> "StageCosts":
@@ -69,44 +72,6 @@ class StageCosts(BaseModel):
             forward_s=[forward] * pp, backward_input_s=[backward_input] * pp, backward_weight_s=[backward_weight] * pp,
             p2p_s=p2p, gradient_transfer_s=[gradient_transfer] * pp, optimizer_s=[optimizer] * pp,
         )  # fmt: skip
-
-    @classmethod
-    def from_fault_free_step(
-        cls,
-        step_s: float,
-        dp: int,
-        pp: int,
-        microbatches: int,
-        *,
-        split: tuple[float, float, float] = ZERO_BUBBLE_SPLIT,
-        p2p_per_forward: float = 0.05,
-        allreduce_fraction: float = 0.05,
-        optimizer_fraction: float = 0.01,
-    ) -> "StageCosts":
-        """Per-action costs whose fault-free 1F1B iteration (``fault_free_iteration_s``) lasts exactly
-        ``step_s``. Assumptions: balanced stages; F : B : W = ``split``; a p2p send takes
-        ``p2p_per_forward`` of a forward; the all-reduce over all dp peers and the optimizer step take
-        ``allreduce_fraction`` and ``optimizer_fraction`` of the step (no all-reduce when dp = 1).
-        Every compute and p2p cost scales with one unit, and the makespan is that unit times the
-        makespan at unit cost plus the all-reduce and optimizer, so solving for the unit is exact."""
-        from frenzy_prefect.recycle.timeline import fault_free_iteration_s
-
-        check_shape(dp, pp, microbatches)
-        if not step_s > 0:
-            raise RecycleInputError(f"step_s must be positive, got {step_s!r}")
-        if min(split) <= 0:
-            raise RecycleInputError(f"split (F, B, W) must be positive ratios, got {split}")
-        if allreduce_fraction < 0 or optimizer_fraction < 0 or allreduce_fraction + optimizer_fraction >= 1:
-            raise RecycleInputError(
-                f"allreduce_fraction ({allreduce_fraction}) and optimizer_fraction ({optimizer_fraction}) must be >= 0 and sum below 1"
-            )
-        f, b, w = split
-        allreduce = allreduce_fraction * step_s if dp > 1 else 0.0
-        optimizer = optimizer_fraction * step_s
-        unit = cls.uniform(pp, f, b, w, p2p=p2p_per_forward * f)
-        scale = (step_s - allreduce - optimizer) / fault_free_iteration_s(unit, dp, pp, microbatches)
-        transfer = allreduce / ring_all_reduce_factor(dp) if dp > 1 else 0.0
-        return cls.uniform(pp, f * scale, b * scale, w * scale, p2p=p2p_per_forward * f * scale, gradient_transfer=transfer, optimizer=optimizer)
 
     @classmethod
     def from_model(

@@ -1,5 +1,5 @@
 """How long one training iteration takes on a grid, with and without failures: the only thing
-the resilience simulator needs to know about the model and the hardware.
+the failure replay needs to know about the model and the hardware.
 
 Two fault-free sources: the project's throughput model (``predict_step``), or a step-time table
 of measured/published numbers. ReCycle's iteration time under failures (``rerouted_s``) comes
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Protocol
 
 from frenzy_prefect.errors import FrenzyError
-from frenzy_prefect.spec.cluster import GpuType
+from frenzy_prefect.spec.gpu import GpuType
 from frenzy_prefect.spec.model import ModelSpec
 
 Reroute = Callable[[tuple[int, ...]], float]
@@ -45,12 +45,12 @@ class IterationModel(Protocol):
 
 def planned_reroute(fault_free_s: float, dp: int, pp: int, microbatches: int, planner_name: str = "heuristic") -> Reroute:
     """ReCycle's iteration times from the planner's schedules: F, B, W, send, all-reduce and
-    optimizer costs inverted from the fault-free step (StageCosts.from_fault_free_step), each
+    optimizer costs inverted from the fault-free step (``fault_free.costs_from_fault_free_step``), each
     failure key planned when first met."""
     from frenzy_prefect.recycle.cache import PlanCache
-    from frenzy_prefect.recycle.costs import StageCosts
+    from frenzy_prefect.recycle.fault_free import costs_from_fault_free_step
 
-    costs = StageCosts.from_fault_free_step(fault_free_s, dp, pp, microbatches)
+    costs = costs_from_fault_free_step(fault_free_s, dp, pp, microbatches)
     return PlanCache(dp, pp, microbatches, costs, max_failures=0, planner_name=planner_name, plan_on_demand=True).rerouted_s
 
 
@@ -207,5 +207,5 @@ def from_preset(model: str, gpu: str, *, dp: int, pp: int, microbatches: int, re
         raise FrenzyError(f"unknown GPU type {gpu!r}; known: {', '.join(GPU_CATALOG)}")
     spec = resolve_model(model)
     if pp > spec.layers:
-        raise FrenzyError(f"--pp {pp} is more stages than {spec.name} has layers ({spec.layers})")
+        raise FrenzyError(f"pp={pp} is more stages than {spec.name} has layers ({spec.layers})")
     return from_throughput_model(spec, GPU_CATALOG[gpu], dp=dp, pp=pp, microbatches=microbatches, reroute=reroute)

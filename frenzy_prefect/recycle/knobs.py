@@ -16,7 +16,7 @@ class Knobs(BaseModel):
         2.0, ge=0,
         description="From a worker's death to the survivors running the adapted schedule. The launcher's waitpid "
         "or a heartbeat sees a dead rank in under a second, and survivors re-form gloo/NCCL groups in "
-        "milliseconds (DESIGN.md 8); 2 s leaves room for a plan-cache lookup. The whole job stalls meanwhile.",
+        "milliseconds; 2 s leaves room for a plan-cache lookup. The whole job stalls meanwhile.",
     )
     restart_s: float = Field(
         120.0, ge=0,

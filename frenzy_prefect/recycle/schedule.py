@@ -20,17 +20,40 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
+from enum import Enum
 from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from frenzy_prefect.recycle.failures import Worker, check_shape, live_pipelines
 
-COMPUTE = ("F", "B", "W")
+
+class ActionKind(str, Enum):
+    """What an action does (the compact form's prefix). A str, so it compares, hashes, prints and
+    serialises as its letters ("F" == ActionKind.F; JSON and the compact form are unchanged)."""
+
+    F = "F"  # forward
+    B = "B"  # input-gradient backward
+    W = "W"  # weight-gradient backward
+    SA = "SA"  # send an activation to the next stage
+    RA = "RA"  # receive an activation from the previous stage
+    SG = "SG"  # send an input gradient to the previous stage
+    RG = "RG"  # receive an input gradient from the next stage
+    AR = "AR"  # all-reduce the stage's gradients
+    OPT = "OPT"  # optimizer step
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+COMPUTE = (ActionKind.F, ActionKind.B, ActionKind.W)
 
 
 class Action(NamedTuple):
-    kind: str  # F, B, W, SA, RA, SG, RG, AR, OPT
+    kind: ActionKind
     pipeline: int = -1  # the micro-batch's own pipeline (F/B/W/sends/receives)
     micro: int = -1
     peer: int = -1  # sends/receives: the pipeline of the worker at the other end (stage +-1)
@@ -39,11 +62,11 @@ class Action(NamedTuple):
     def __str__(self) -> str:
         if self.kind in COMPUTE:
             return f"{self.kind}{self.micro}@{self.pipeline}"
-        if self.kind in ("SA", "SG"):
+        if self.kind in (ActionKind.SA, ActionKind.SG):
             return f"{self.kind}{self.micro}@{self.pipeline}>{self.peer}"
-        if self.kind in ("RA", "RG"):
+        if self.kind in (ActionKind.RA, ActionKind.RG):
             return f"{self.kind}{self.micro}@{self.pipeline}<{self.peer}"
-        if self.kind == "AR":
+        if self.kind == ActionKind.AR:
             return f"AR/{self.divisor}"
         return self.kind
 
@@ -57,14 +80,14 @@ def parse_action(text: str) -> Action:
         raise ValueError(f"not an action: {text!r}; expected forms like F3@1, SA3@1>2, RG3@1<0, AR/128, OPT")
     g = m.groups()
     if g[0]:
-        return Action(g[0], int(g[2]), int(g[1]))
+        return Action(ActionKind(g[0]), int(g[2]), int(g[1]))
     if g[3]:
-        return Action(g[3], int(g[5]), int(g[4]), int(g[6]))
+        return Action(ActionKind(g[3]), int(g[5]), int(g[4]), int(g[6]))
     if g[7]:
-        return Action(g[7], int(g[9]), int(g[8]), int(g[10]))
+        return Action(ActionKind(g[7]), int(g[9]), int(g[8]), int(g[10]))
     if g[11]:
-        return Action("AR", divisor=int(g[11]))
-    return Action("OPT")
+        return Action(ActionKind.AR, divisor=int(g[11]))
+    return Action(ActionKind.OPT)
 
 
 class Schedule(BaseModel):
@@ -102,7 +125,7 @@ class Schedule(BaseModel):
 
     def compute_counts(self, worker: Worker) -> int:
         """Micro-batches this worker runs (its F actions)."""
-        return sum(1 for a in self.programs.get(worker, ()) if a.kind == "F")
+        return sum(1 for a in self.programs.get(worker, ()) if a.kind == ActionKind.F)
 
     def replaced(self, worker: Worker, program: Sequence[Action]) -> "Schedule":
         """A copy with one worker's program replaced (tests mutate schedules this way)."""
@@ -113,7 +136,7 @@ class Schedule(BaseModel):
         worker p becomes (see failures.pipeline_maps). Micro-batch owners keep their labels."""
 
         def peer_stage(a: Action, s: int) -> int:
-            return s + 1 if a.kind in ("SA", "RG") else s - 1
+            return s + 1 if a.kind in (ActionKind.SA, ActionKind.RG) else s - 1
 
         programs = {}
         for (p, s), program in self.programs.items():
@@ -140,19 +163,19 @@ def assemble(dp: int, pp: int, microbatches: int, failed: frozenset[Worker], ord
         for kind, q, j in items:
             if kind == "F":
                 if s > 0:
-                    out.append(Action("RA", q, j, host.get((q, j, s - 1), -1)))
-                out.append(Action("F", q, j))
+                    out.append(Action(ActionKind.RA, q, j, host.get((q, j, s - 1), -1)))
+                out.append(Action(ActionKind.F, q, j))
                 if s < pp - 1:
-                    out.append(Action("SA", q, j, host.get((q, j, s + 1), -1)))
+                    out.append(Action(ActionKind.SA, q, j, host.get((q, j, s + 1), -1)))
             elif kind == "B":
                 if s < pp - 1:
-                    out.append(Action("RG", q, j, host.get((q, j, s + 1), -1)))
-                out.append(Action("B", q, j))
+                    out.append(Action(ActionKind.RG, q, j, host.get((q, j, s + 1), -1)))
+                out.append(Action(ActionKind.B, q, j))
                 if s > 0:
-                    out.append(Action("SG", q, j, host.get((q, j, s - 1), -1)))
+                    out.append(Action(ActionKind.SG, q, j, host.get((q, j, s - 1), -1)))
             else:
-                out.append(Action("W", q, j))
-        out += [Action("AR", divisor=divisor), Action("OPT")]
+                out.append(Action(ActionKind.W, q, j))
+        out += [Action(ActionKind.AR, divisor=divisor), Action(ActionKind.OPT)]
         programs[(p, s)] = tuple(out)
     return Schedule.model_construct(dp=dp, pp=pp, microbatches=microbatches, failed=frozenset(failed), programs=programs)
 

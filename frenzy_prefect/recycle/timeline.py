@@ -21,12 +21,11 @@ last two of a few iterations; the iteration time above bounds it from above.
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from functools import lru_cache
 from typing import NamedTuple
 
 from frenzy_prefect.recycle.costs import StageCosts
 from frenzy_prefect.recycle.failures import RecycleInputError, Worker
-from frenzy_prefect.recycle.schedule import Action, Schedule, one_f_one_b
+from frenzy_prefect.recycle.schedule import Action, Schedule
 
 
 class ScheduleDeadlock(RecycleInputError):
@@ -155,14 +154,3 @@ def steady_state_period_s(schedule: Schedule, costs: StageCosts, iterations: int
     """Seconds per iteration once iterations run back to back (staggered optimizer steps)."""
     ends = run_timeline(schedule, costs, max(2, iterations)).iteration_ends
     return ends[-1] - ends[-2]
-
-
-def fault_free_iteration_s(costs: StageCosts, dp: int, pp: int, microbatches: int) -> float:
-    """The iteration time of the fault-free 1F1B schedule (the baseline of relative throughput);
-    every plan of a cache shares it, so it is computed once per costs and shape."""
-    return _fault_free_iteration_s(costs.model_dump_json(), dp, pp, microbatches)
-
-
-@lru_cache(maxsize=64)
-def _fault_free_iteration_s(costs_json: str, dp: int, pp: int, microbatches: int) -> float:
-    return iteration_s(one_f_one_b(dp, pp, microbatches), StageCosts.model_validate_json(costs_json))

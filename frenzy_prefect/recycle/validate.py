@@ -7,7 +7,7 @@ from collections import Counter, defaultdict
 
 from frenzy_prefect.recycle.costs import StageCosts
 from frenzy_prefect.recycle.failures import RecycleInputError
-from frenzy_prefect.recycle.memory import MemoryBound, bounds_per_stage, in_flight_peak
+from frenzy_prefect.recycle.in_flight import MemoryBound, bounds_per_stage, in_flight_peak
 from frenzy_prefect.recycle.schedule import Schedule
 from frenzy_prefect.recycle.timeline import ScheduleDeadlock, run_timeline
 

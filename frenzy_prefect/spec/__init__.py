@@ -1,6 +1,7 @@
 """Boundary objects: what a user asks for, what the cluster is, and what the allocator decides."""
 
-from frenzy_prefect.spec.cluster import ClusterSpec, ClusterState, GpuType, Node
+from frenzy_prefect.spec.cluster import ClusterSpec, ClusterState, Node
+from frenzy_prefect.spec.gpu import GpuType
 from frenzy_prefect.spec.dataset import DatasetInfo
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import (

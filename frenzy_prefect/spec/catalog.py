@@ -9,7 +9,7 @@ override these (their own ``gpu_types``)."""
 
 from __future__ import annotations
 
-from frenzy_prefect.spec.cluster import GpuType
+from frenzy_prefect.spec.gpu import GpuType
 from frenzy_prefect.units import GIB
 
 

@@ -1,4 +1,4 @@
-"""GPU types, nodes, a cluster inventory, and which of its GPUs are free now."""
+"""Nodes, a cluster inventory, and which of its GPUs are free now (GPU types: ``spec.gpu``)."""
 
 from __future__ import annotations
 
@@ -6,28 +6,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 
 from frenzy_prefect.errors import FrenzyError
+from frenzy_prefect.spec.catalog import GPU_CATALOG
+from frenzy_prefect.spec.gpu import GpuType
 from frenzy_prefect.units import GIB
-
-
-class GpuType(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    name: str
-    memory_bytes: PositiveInt
-    half_tflops: PositiveFloat = Field(description="Dense bf16/fp16 tensor peak.")
-    fp32_tflops: PositiveFloat
-    link_gbps: PositiveFloat = Field(description="GPU-to-GPU bandwidth inside a node, GB/s (NVLink or PCIe).")
-    memory_bandwidth_gbps: PositiveFloat = Field(default=900, description="Device memory bandwidth, GB/s.")
-    achievable_fraction: float = Field(
-        default=0.4, gt=0, le=1, description="Fraction of the dense peak a large training kernel mix reaches (model FLOPs utilisation)."
-    )
-    supports_bf16: bool = True
-    runtime_overhead_bytes: NonNegativeInt = Field(
-        default=0, description="CUDA context, library workspaces and allocator headroom per GPU."
-    )
 
 
 class Node(BaseModel):
@@ -65,13 +49,11 @@ class ClusterSpec(BaseModel):
             if node.gpu_type not in known:
                 raise ValueError(
                     f"node {node.name!r} has unknown gpu_type {node.gpu_type!r}; known types: "
-                    f"{', '.join(sorted(known))} (declare it under gpu_types, or in a file passed as --gpu-types)"
+                    f"{', '.join(sorted(known))} (declare it under gpu_types, in the cluster or in a GPU types file given with it)"
                 )
         return self
 
     def known_gpu_types(self) -> dict[str, GpuType]:
-        from frenzy_prefect.spec.catalog import GPU_CATALOG
-
         return {**GPU_CATALOG, **self.gpu_types}
 
     def gpu_of(self, node: Node) -> GpuType:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from frenzy_prefect.errors import FrenzyError
-from frenzy_prefect.memory.analytic import check_plan, uses_ddp, zero_bucket_elements
+from frenzy_prefect.spec.layout import check_plan, uses_ddp, zero_bucket_elements
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import ParallelPlan
 from frenzy_prefect.spec.request import OptimizerSettings, Precision

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from frenzy_prefect.memory.analytic import stage_layer_counts
+from frenzy_prefect.spec.layout import stage_layer_counts
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import Recompute
 from frenzy_prefect.training.tensor_parallel import TensorParallel

@@ -15,7 +15,7 @@ import heapq
 import time
 
 from frenzy_prefect.recycle.costs import StageCosts
-from frenzy_prefect.recycle.memory import MemoryBound
+from frenzy_prefect.recycle.in_flight import MemoryBound
 from frenzy_prefect.recycle.planners.base import Plan, Problem
 from frenzy_prefect.recycle.schedule import ComputeItem, Schedule, assemble
 from frenzy_prefect.recycle.failures import Worker

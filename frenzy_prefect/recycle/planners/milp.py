@@ -46,7 +46,7 @@ from scipy.sparse import coo_array
 from frenzy_prefect.recycle import killable_milp
 from frenzy_prefect.recycle.costs import StageCosts
 from frenzy_prefect.recycle.failures import Worker
-from frenzy_prefect.recycle.memory import MemoryBound
+from frenzy_prefect.recycle.in_flight import MemoryBound
 from frenzy_prefect.recycle.planners.base import Plan, Problem
 from frenzy_prefect.recycle.planners.heuristic import best_schedule
 from frenzy_prefect.recycle.schedule import ComputeItem, assemble

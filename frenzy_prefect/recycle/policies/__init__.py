@@ -1,4 +1,4 @@
-"""Resilience policies for the simulator, one module each, behind ``base.Policy``."""
+"""Resilience policies for the failure replay (``recycle.replay``), one module each, behind ``base.Policy``."""
 
 from __future__ import annotations
 

@@ -20,7 +20,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveInt, ValidationError
 
 from frenzy_prefect.errors import FrenzyError, describe_validation_error
-from frenzy_prefect.spec.cluster import ClusterSpec, GpuType, Node
+from frenzy_prefect.spec.cluster import ClusterSpec, Node
+from frenzy_prefect.spec.gpu import GpuType
 
 def shared_traces() -> Path:
     """The team's public traces: $FRENZY_TRACES, or shared/data/traces beside a parent directory

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
-from frenzy_prefect.simulation.cluster import SimCluster
-from frenzy_prefect.simulation.jobs import SimJob, Waiting
+from frenzy_prefect.scheduling.cluster import SimCluster
+from frenzy_prefect.scheduling.jobs import SimJob, Waiting
 from frenzy_prefect.spec.plan import ParallelPlan, Placement
 
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from frenzy_prefect.memory.analytic import estimate, in_flight_micro_batch_bytes, micro_batch_terms, stage_layer_counts
+from frenzy_prefect.memory.analytic import estimate, in_flight_micro_batch_bytes, micro_batch_terms
 from frenzy_prefect.recycle.failures import RecycleInputError, Worker
 from frenzy_prefect.recycle.schedule import Schedule
-from frenzy_prefect.spec.cluster import GpuType
+from frenzy_prefect.spec.gpu import GpuType
+from frenzy_prefect.spec.layout import stage_layer_counts
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import ParallelPlan
 from frenzy_prefect.spec.request import Precision

@@ -20,10 +20,10 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_array
 
-from frenzy_prefect.simulation.cluster import SimCluster
-from frenzy_prefect.simulation.jobs import SimJob
-from frenzy_prefect.simulation.options import Option
-from frenzy_prefect.simulation.policies.base import Reject, Start, Waiting
+from frenzy_prefect.scheduling.cluster import SimCluster
+from frenzy_prefect.scheduling.jobs import SimJob
+from frenzy_prefect.scheduling.options import Option
+from frenzy_prefect.scheduling.policies.base import Reject, Start, Waiting
 
 ROUND_S = 60.0
 WINDOW = 128
@@ -33,7 +33,7 @@ TIME_LIMIT_S = 10.0
 @contextmanager
 def _c_stdout_silenced() -> Iterator[None]:
     """HiGHS prints debugging lines from C straight to file descriptor 1 (``disp`` off or not),
-    which would corrupt ``frenzy simulate --json``."""
+    which would corrupt JSON its caller writes there."""
     sys.stdout.flush()
     saved, devnull = os.dup(1), os.open(os.devnull, os.O_WRONLY)
     try:

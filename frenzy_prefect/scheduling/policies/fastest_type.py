@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from frenzy_prefect.simulation.cluster import SimCluster
-from frenzy_prefect.simulation.policies.first_fit import FirstFit
+from frenzy_prefect.scheduling.cluster import SimCluster
+from frenzy_prefect.scheduling.policies.first_fit import FirstFit
 
 
 class FastestType(FirstFit):

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from frenzy_prefect.simulation.cluster import SimCluster
-from frenzy_prefect.simulation.jobs import SimJob
-from frenzy_prefect.simulation.options import naive_plans
-from frenzy_prefect.simulation.policies.base import Reject, Start, Waiting
+from frenzy_prefect.scheduling.cluster import SimCluster
+from frenzy_prefect.scheduling.jobs import SimJob
+from frenzy_prefect.scheduling.options import naive_plans
+from frenzy_prefect.scheduling.policies.base import Reject, Start, Waiting
 
 
 class FirstFit:

@@ -23,10 +23,10 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
-from frenzy_prefect.simulation.cluster import SimCluster
-from frenzy_prefect.simulation.jobs import SimJob
-from frenzy_prefect.simulation.options import Option
-from frenzy_prefect.simulation.policies.base import Reject, Start, Waiting
+from frenzy_prefect.scheduling.cluster import SimCluster
+from frenzy_prefect.scheduling.jobs import SimJob
+from frenzy_prefect.scheduling.options import Option
+from frenzy_prefect.scheduling.policies.base import Reject, Start, Waiting
 
 MIN_EFFICIENCY = 0.5
 IDLE_SHARE = 0.5

@@ -14,10 +14,10 @@ from bisect import insort
 
 from pydantic import BaseModel
 
-from frenzy_prefect.simulation.cluster import Run, SimCluster
-from frenzy_prefect.simulation.jobs import SimJob, Waiting
-from frenzy_prefect.simulation.options import option
-from frenzy_prefect.simulation.policies.base import Policy, Reject, Start
+from frenzy_prefect.scheduling.cluster import Run, SimCluster
+from frenzy_prefect.scheduling.jobs import SimJob, Waiting
+from frenzy_prefect.scheduling.options import option
+from frenzy_prefect.scheduling.policies.base import Policy, Reject, Start
 from frenzy_prefect.spec.cluster import ClusterSpec
 
 OOM_DETECTION_S = 120.0  # container start, model build and the first step, before the OOM
@@ -36,7 +36,7 @@ class Unschedulable(BaseModel):
 
 
 class SimulationResult(BaseModel):
-    """DESIGN section 4's summary, plus what explains it."""
+    """The summary `frenzy simulate --json` prints (a contract: docs/architecture.md), plus what explains it."""
 
     policy: str
     cluster_gpus: int

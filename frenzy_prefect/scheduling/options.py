@@ -12,8 +12,8 @@ from frenzy_prefect.allocator.plans import plan_space
 from frenzy_prefect.allocator.step_time import predict_step
 from frenzy_prefect.memory.analytic import peak_bytes
 from frenzy_prefect.profiling.model import PRESETS
-from frenzy_prefect.simulation.jobs import OPTIMIZER_BYTES_PER_PARAM, PRECISION, SEQ_LEN
-from frenzy_prefect.spec.cluster import GpuType
+from frenzy_prefect.scheduling.jobs import OPTIMIZER_BYTES_PER_PARAM, PRECISION, SEQ_LEN
+from frenzy_prefect.spec.gpu import GpuType
 from frenzy_prefect.spec.plan import ParallelPlan
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from frenzy_prefect.allocator.step_time import flops_per_token, saturation
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.profiling.model import PRESETS
-from frenzy_prefect.simulation.inputs import TraceJob
+from frenzy_prefect.scheduling.inputs import TraceJob
 from frenzy_prefect.spec.catalog import GPU_CATALOG
 from frenzy_prefect.spec.request import Precision
 

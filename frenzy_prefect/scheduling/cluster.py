@@ -7,9 +7,10 @@ from dataclasses import dataclass
 
 from frenzy_prefect.allocator.placement import place
 from frenzy_prefect.allocator.plans import gpu_kinds
-from frenzy_prefect.simulation.jobs import SimJob, Waiting
-from frenzy_prefect.simulation.options import Option, frontier
-from frenzy_prefect.spec.cluster import ClusterSpec, GpuType, Node
+from frenzy_prefect.scheduling.jobs import SimJob, Waiting
+from frenzy_prefect.scheduling.options import Option, frontier
+from frenzy_prefect.spec.cluster import ClusterSpec, Node
+from frenzy_prefect.spec.gpu import GpuType
 from frenzy_prefect.spec.plan import ParallelPlan, Placement
 
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from frenzy_prefect.errors import FrenzyError
-from frenzy_prefect.simulation.policies.base import Policy
-from frenzy_prefect.simulation.policies.fastest_type import FastestType
-from frenzy_prefect.simulation.policies.first_fit import FirstFit
-from frenzy_prefect.simulation.policies.frenzy import Frenzy
-from frenzy_prefect.simulation.policies.ilp import Ilp
+from frenzy_prefect.scheduling.policies.base import Policy
+from frenzy_prefect.scheduling.policies.fastest_type import FastestType
+from frenzy_prefect.scheduling.policies.first_fit import FirstFit
+from frenzy_prefect.scheduling.policies.frenzy import Frenzy
+from frenzy_prefect.scheduling.policies.ilp import Ilp
 
 POLICIES: dict[str, type] = {p.name: p for p in (Frenzy, FirstFit, FastestType, Ilp)}
 

@@ -1,1 +1,0 @@
-"""Trace-driven simulation of the cluster scheduler (issue 4): its inputs so far."""

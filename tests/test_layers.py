@@ -1,0 +1,142 @@
+"""The package's layer order and its import graph, read with ast (nothing is imported, so it is fast
+and sees imports inside functions too): data flows up the layers, never down, and no module
+imports itself back through others."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from .conftest import ROOT
+
+PACKAGE = ROOT / "frenzy_prefect"
+
+# Top-level modules and packages of frenzy_prefect, lowest first. A module may import its own
+# layer's and lower layers' modules, never a later layer's.
+LAYERS: list[set[str]] = [
+    {"units", "errors"},
+    {"storage"},  # object storage: below the profilers and the trainer that read and write it
+    {"spec"},
+    {"profiling"},
+    {"memory"},
+    {"allocator"},
+    {"training", "launch", "scheduling", "recycle"},  # the rest of the core
+    # The Prefect shell.
+    {"run_labels", "server_calls", "crash", "cancellation", "blocks"},
+    {"reservations"},
+    {"reclaim", "gpu_queue", "tasks"},
+    {"flows", "worker"},
+    {"deployments", "localstack", "collection"},
+    {"cli"},
+]
+
+# Allowed by the layers, but not wanted: the executor does not depend on its own memory model
+# (the plan's layout both use is spec.layout).
+FORBIDDEN = [("training", "memory")]
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the frenzy_prefect modules it imports, at the top or anywhere inside it.
+    ``from package import name`` points at ``package.name`` when that is a module."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                    base = base[: len(base) - (node.level - 1)]
+                    source = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    source = node.module or ""
+                for alias in node.names:
+                    sub = f"{source}.{alias.name}"
+                    targets.add(sub if sub in modules else source)
+        graph[name] = {t for t in targets if t in modules and t != "frenzy_prefect" and t != name}
+    return graph
+
+
+def _component(module: str) -> str:
+    return module.split(".")[1]
+
+
+def test_every_top_level_module_has_a_layer():
+    components = {_component(m) for m in _modules() if m != "frenzy_prefect"}
+    placed = set().union(*LAYERS)
+    assert components - placed == set(), "put these in LAYERS"
+    assert placed - components == set(), "LAYERS names modules that do not exist"
+    assert sum(len(layer) for layer in LAYERS) == len(placed), "a module is in two layers"
+
+
+def test_no_module_imports_a_later_layer():
+    layer_of = {c: i for i, layer in enumerate(LAYERS) for c in layer}
+    upward = sorted(
+        f"{module} imports {target}"
+        for module, targets in _import_graph().items()
+        if module != "frenzy_prefect"
+        for target in targets
+        if layer_of[_component(target)] > layer_of[_component(module)]
+    )
+    assert upward == []
+
+
+def test_no_forbidden_imports():
+    found = sorted(
+        f"{module} imports {target}"
+        for module, targets in _import_graph().items()
+        if module != "frenzy_prefect"
+        for target in targets
+        if (_component(module), _component(target)) in FORBIDDEN
+    )
+    assert found == []
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the graph, or None (iterative depth-first search)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    for root in sorted(graph):
+        if root in state:
+            continue
+        path, stack = [root], [iter(sorted(graph[root]))]
+        state[root] = 1
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                state[path.pop()] = 2
+                stack.pop()
+            elif state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            elif nxt not in state:
+                state[nxt] = 1
+                path.append(nxt)
+                stack.append(iter(sorted(graph.get(nxt, ()))))
+    return None
+
+
+def test_no_import_cycles_between_modules():
+    assert _cycle(_import_graph()) is None
+
+
+def test_no_import_cycles_between_top_level_packages():
+    packages: dict[str, set[str]] = {}
+    for module, targets in _import_graph().items():
+        if module != "frenzy_prefect":
+            packages.setdefault(_component(module), set()).update(_component(t) for t in targets if _component(t) != _component(module))
+    assert _cycle(packages) is None
+
+
+def test_the_cycle_check_finds_a_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
