@@ -72,9 +72,50 @@ def _needs(a: Action, stage: int, pp: int) -> tuple[tuple, ...]:
     return ()
 
 
+def compute_needs(kind: str, stage: int, pp: int) -> tuple[tuple[str, int], ...]:
+    """The compute actions, as (kind, stage) of the same micro-batch, that an F, B or W at ``stage``
+    waits for: the rules of ``_needs`` with each receive followed back through its send to the
+    compute that produced it (a need at another stage arrives ``p2p_s`` after that compute ends).
+    Planners that simulate compute only (the list scheduler) use this instead of their own copy."""
+    out = []
+    for need_kind, _, _, need_stage in _needs(Action(kind), stage, pp):
+        while need_kind not in ("F", "B", "W"):
+            ((need_kind, _, _, need_stage),) = _needs(Action(need_kind), need_stage, pp)
+        out.append((need_kind, need_stage))
+    return tuple(out)
+
+
+def _run_action(w: Worker, a: Action, start: float, costs: StageCosts) -> tuple[float, str | None, float]:
+    """One non-collective action started at ``start``: its end, the key kind it publishes (None:
+    nothing) and when what it publishes is available to the consumer."""
+    kind, stage = a.kind, w[1]
+    if kind in ("F", "B", "W"):
+        end = start + costs.compute_s(kind, stage)
+        return end, kind, end
+    if kind in ("SA", "SG"):  # asynchronous: no worker time, the peer has it p2p_s later
+        return start, kind, start + costs.p2p_s
+    if kind in ("RA", "RG"):
+        return start, kind, start
+    if kind == "OPT":
+        end = start + costs.optimizer_s[stage]
+        return end, None, end
+    raise RecycleInputError(f"worker {w} has an action of unknown kind {kind!r}")
+
+
+def _raise_if_stuck(programs: dict[Worker, list[Action]], ptr: dict[Worker, int]) -> None:
+    stuck = {w: str(programs[w][ptr[w]]) for w in programs if ptr[w] < len(programs[w])}
+    if stuck:
+        shown = ", ".join(f"(pipeline {p}, stage {s}) at {a}" for (p, s), a in sorted(stuck.items())[:6])
+        raise ScheduleDeadlock(f"the schedule deadlocks: {len(stuck)} worker(s) never finish: {shown}")
+
+
 def run_timeline(schedule: Schedule, costs: StageCosts, iterations: int = 1) -> Timeline:
     """Start and end of every action of ``iterations`` back-to-back iterations; raises
-    ScheduleDeadlock naming the stuck workers."""
+    ScheduleDeadlock naming the stuck workers.
+
+    Event-driven: a worker runs its program until an action waits for a key not yet published
+    (it parks on that key and is re-queued when it appears) or reaches its stage's all-reduce
+    (the last peer to arrive runs the collective for all)."""
     pp = schedule.pp
     costs.check_stages(pp)
     ready: dict[tuple, float] = {}
@@ -99,6 +140,22 @@ def run_timeline(schedule: Schedule, costs: StageCosts, iterations: int = 1) -> 
             for waiter in waiting.pop(key, ()):
                 queue.append(waiter)
 
+    def allreduce(w: Worker, stage: int, it: int) -> bool:
+        """Arrive at the collective; True when it ran (w was the last live peer), so w goes on."""
+        group = arrived[(stage, it)]
+        if w in group:
+            return False
+        group[w] = free[w]
+        if len(group) < live_count[stage]:
+            return False
+        begin = max(group.values())
+        end = begin + costs.allreduce_s(stage, live_count[stage])
+        for peer in group:
+            finish(peer, begin, end, None, end)
+            if peer != w:
+                queue.append(peer)
+        return True
+
     while queue:
         w = queue.popleft()
         program, stage = programs[w], w[1]
@@ -106,18 +163,8 @@ def run_timeline(schedule: Schedule, costs: StageCosts, iterations: int = 1) -> 
             a = program[ptr[w]]
             it = ptr[w] // length[w]
             if a.kind == "AR":
-                group = arrived[(stage, it)]
-                if w in group:
+                if not allreduce(w, stage, it):
                     break
-                group[w] = free[w]
-                if len(group) < live_count[stage]:
-                    break
-                begin = max(group.values())
-                end = begin + costs.allreduce_s(stage, live_count[stage])
-                for peer in group:
-                    finish(peer, begin, end, None, end)
-                    if peer != w:
-                        queue.append(peer)
                 continue
             needs = [(*k, it) for k in _needs(a, stage, pp)]
             missing = next((k for k in needs if k not in ready), None)
@@ -125,23 +172,9 @@ def run_timeline(schedule: Schedule, costs: StageCosts, iterations: int = 1) -> 
                 waiting[missing].append(w)
                 break
             start = max([free[w], *(ready[k] for k in needs)])
-            kind = a.kind
-            if kind in ("F", "B", "W"):
-                end = start + costs.compute_s(kind, stage)
-                finish(w, start, end, (kind, a.pipeline, a.micro, stage, it), end)
-            elif kind in ("SA", "SG"):
-                finish(w, start, start, (kind, a.pipeline, a.micro, stage, it), start + costs.p2p_s)
-            elif kind in ("RA", "RG"):
-                finish(w, start, start, (kind, a.pipeline, a.micro, stage, it), start)
-            elif kind == "OPT":
-                end = start + costs.optimizer_s[stage]
-                finish(w, start, end, None, end)
-            else:
-                raise RecycleInputError(f"worker {w} has an action of unknown kind {kind!r}")
-    stuck = {w: str(programs[w][ptr[w]]) for w in programs if ptr[w] < len(programs[w])}
-    if stuck:
-        shown = ", ".join(f"(pipeline {p}, stage {s}) at {a}" for (p, s), a in sorted(stuck.items())[:6])
-        raise ScheduleDeadlock(f"the schedule deadlocks: {len(stuck)} worker(s) never finish: {shown}")
+            end, published, available = _run_action(w, a, start, costs)
+            finish(w, start, end, None if published is None else (published, a.pipeline, a.micro, stage, it), available)
+    _raise_if_stuck(programs, ptr)
     makespan = max((e[-1] for e in ends.values() if e), default=0.0)
     iteration_ends = [max((e[(i + 1) * length[w] - 1] for w, e in ends.items() if length[w]), default=0.0) for i in range(iterations)]
     return Timeline(starts, ends, makespan, iteration_ends)
