@@ -179,7 +179,9 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, FrenzyVariables, FrenzyWor
             await hold.release()
             await self._label(flow_run, {run_labels.LEASE: run_labels.RELEASED})
         except Exception as exc:  # the lease then expires by itself within a minute
-            self.get_flow_run_logger(flow_run).warning(f"Could not release GPUs {_gpus(job)} ({type(exc).__name__}); their lease expires within a minute")
+            self.get_flow_run_logger(flow_run).warning(
+                f"Could not release GPUs {_gpus(job)} ({type(exc).__name__}); their lease expires within a minute"
+            )
 
     async def _label(self, flow_run: FlowRun, labels: dict[str, str]) -> None:
         await patiently(lambda: self.client.update_flow_run_labels(flow_run.id, labels), "labelling the flow run")

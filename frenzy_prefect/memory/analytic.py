@@ -50,7 +50,8 @@ def check_plan(model: ModelSpec, plan: ParallelPlan) -> None:
     if plan.pp > model.layers:
         raise FrenzyError(f"pp ({plan.pp}) must not exceed the number of layers ({model.layers}); accepted: 1..{model.layers}")
     if plan.zero and (plan.tp > 1 or plan.pp > 1):
-        raise FrenzyError(f"zero={plan.zero} is modelled as DeepSpeed runs it here, over data parallelism only; use tp=1 and pp=1, or zero=0 with tp/pp")
+        raise FrenzyError(f"zero={plan.zero} is modelled as DeepSpeed runs it here, over data parallelism only;"
+                          " use tp=1 and pp=1, or zero=0 with tp/pp")
 
 
 def uses_ddp(plan: ParallelPlan) -> bool:
@@ -202,7 +203,8 @@ class MicroBatchTerms(NamedTuple):
 
 
 @lru_cache(maxsize=4096)
-def micro_batch_terms(model: ModelSpec, tp: int, micro_batch: int, seq_len: int, precision: Precision, recompute: str, zero3: bool) -> MicroBatchTerms:
+def micro_batch_terms(model: ModelSpec, tp: int, micro_batch: int, seq_len: int, precision: Precision, recompute: str,
+                      zero3: bool) -> MicroBatchTerms:
     s, b, h, f, a, V, t = seq_len, micro_batch, model.hidden, model.ffn_hidden, model.heads, model.padded_vocab, tp
     e = COMPUTE_BYTES[precision]
     half = e < FP32
@@ -359,7 +361,8 @@ def estimate(
     )
 
 
-def _zero_peak(model: ModelSpec, plan: ParallelPlan, moments: Moments, micro_batches: int, optimizer_bytes_per_param: int, on_gpu: bool) -> Breakdown:
+def _zero_peak(model: ModelSpec, plan: ParallelPlan, moments: Moments, micro_batches: int, optimizer_bytes_per_param: int,
+               on_gpu: bool) -> Breakdown:
     """(params, grads, optimizer, saved, transient) at the peak of the worst data-parallel rank
     under DeepSpeed's ZeRO (tp = pp = 1, fp32 weights), as DeepSpeed 0.19 allocates:
 
