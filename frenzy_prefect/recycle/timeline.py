@@ -109,6 +109,71 @@ def _raise_if_stuck(programs: dict[Worker, list[Action]], ptr: dict[Worker, int]
         raise ScheduleDeadlock(f"the schedule deadlocks: {len(stuck)} worker(s) never finish: {shown}")
 
 
+class _Execution:
+    """The state of one run_timeline: where each worker is in its program, when it is free, what
+    has been published (and when it is available) and who waits for it."""
+
+    def __init__(self, schedule: Schedule, costs: StageCosts, iterations: int) -> None:
+        self.pp, self.costs = schedule.pp, costs
+        self.ready: dict[tuple, float] = {}
+        self.waiting: dict[tuple, list[Worker]] = defaultdict(list)
+        self.length = {w: len(program) for w, program in schedule.programs.items()}
+        self.programs = {w: program * iterations for w, program in schedule.programs.items()}
+        self.ptr = {w: 0 for w in self.programs}
+        self.free = {w: 0.0 for w in self.programs}
+        self.starts: dict[Worker, list[float]] = {w: [] for w in self.programs}
+        self.ends: dict[Worker, list[float]] = {w: [] for w in self.programs}
+        self.arrived: dict[tuple[int, int], dict[Worker, float]] = defaultdict(dict)  # (stage, iteration)
+        self.live_count = {s: sum(1 for (_, st) in self.programs if st == s) for s in range(self.pp)}
+        self.queue = deque(self.programs)
+
+    def finish(self, w: Worker, start: float, end: float, key: tuple | None, available: float) -> None:
+        self.starts[w].append(start)
+        self.ends[w].append(end)
+        self.free[w] = end
+        self.ptr[w] += 1
+        if key is not None:
+            self.ready[key] = available
+            for waiter in self.waiting.pop(key, ()):
+                self.queue.append(waiter)
+
+    def allreduce(self, w: Worker, stage: int, it: int) -> bool:
+        """Arrive at the collective; True when it ran (w was the last live peer), so w goes on."""
+        group = self.arrived[(stage, it)]
+        if w in group:
+            return False
+        group[w] = self.free[w]
+        if len(group) < self.live_count[stage]:
+            return False
+        begin = max(group.values())
+        end = begin + self.costs.allreduce_s(stage, self.live_count[stage])
+        for peer in group:
+            self.finish(peer, begin, end, None, end)
+            if peer != w:
+                self.queue.append(peer)
+        return True
+
+    def run(self, w: Worker) -> None:
+        """Run w's program until an action waits for a key not yet published (w parks on it) or
+        for its stage's all-reduce, or the program ends."""
+        program, stage = self.programs[w], w[1]
+        while self.ptr[w] < len(program):
+            a = program[self.ptr[w]]
+            it = self.ptr[w] // self.length[w]
+            if a.kind == "AR":
+                if not self.allreduce(w, stage, it):
+                    break
+                continue
+            needs = [(*k, it) for k in _needs(a, stage, self.pp)]
+            missing = next((k for k in needs if k not in self.ready), None)
+            if missing is not None:
+                self.waiting[missing].append(w)
+                break
+            start = max([self.free[w], *(self.ready[k] for k in needs)])
+            end, published, available = _run_action(w, a, start, self.costs)
+            self.finish(w, start, end, None if published is None else (published, a.pipeline, a.micro, stage, it), available)
+
+
 def run_timeline(schedule: Schedule, costs: StageCosts, iterations: int = 1) -> Timeline:
     """Start and end of every action of ``iterations`` back-to-back iterations; raises
     ScheduleDeadlock naming the stuck workers.
@@ -116,68 +181,15 @@ def run_timeline(schedule: Schedule, costs: StageCosts, iterations: int = 1) -> 
     Event-driven: a worker runs its program until an action waits for a key not yet published
     (it parks on that key and is re-queued when it appears) or reaches its stage's all-reduce
     (the last peer to arrive runs the collective for all)."""
-    pp = schedule.pp
-    costs.check_stages(pp)
-    ready: dict[tuple, float] = {}
-    waiting: dict[tuple, list[Worker]] = defaultdict(list)
-    length = {w: len(program) for w, program in schedule.programs.items()}
-    programs = {w: program * iterations for w, program in schedule.programs.items()}
-    ptr = {w: 0 for w in programs}
-    free = {w: 0.0 for w in programs}
-    starts: dict[Worker, list[float]] = {w: [] for w in programs}
-    ends: dict[Worker, list[float]] = {w: [] for w in programs}
-    arrived: dict[tuple[int, int], dict[Worker, float]] = defaultdict(dict)  # (stage, iteration)
-    live_count = {s: sum(1 for (_, st) in programs if st == s) for s in range(pp)}
-    queue = deque(programs)
-
-    def finish(w: Worker, start: float, end: float, key: tuple | None, available: float) -> None:
-        starts[w].append(start)
-        ends[w].append(end)
-        free[w] = end
-        ptr[w] += 1
-        if key is not None:
-            ready[key] = available
-            for waiter in waiting.pop(key, ()):
-                queue.append(waiter)
-
-    def allreduce(w: Worker, stage: int, it: int) -> bool:
-        """Arrive at the collective; True when it ran (w was the last live peer), so w goes on."""
-        group = arrived[(stage, it)]
-        if w in group:
-            return False
-        group[w] = free[w]
-        if len(group) < live_count[stage]:
-            return False
-        begin = max(group.values())
-        end = begin + costs.allreduce_s(stage, live_count[stage])
-        for peer in group:
-            finish(peer, begin, end, None, end)
-            if peer != w:
-                queue.append(peer)
-        return True
-
-    while queue:
-        w = queue.popleft()
-        program, stage = programs[w], w[1]
-        while ptr[w] < len(program):
-            a = program[ptr[w]]
-            it = ptr[w] // length[w]
-            if a.kind == "AR":
-                if not allreduce(w, stage, it):
-                    break
-                continue
-            needs = [(*k, it) for k in _needs(a, stage, pp)]
-            missing = next((k for k in needs if k not in ready), None)
-            if missing is not None:
-                waiting[missing].append(w)
-                break
-            start = max([free[w], *(ready[k] for k in needs)])
-            end, published, available = _run_action(w, a, start, costs)
-            finish(w, start, end, None if published is None else (published, a.pipeline, a.micro, stage, it), available)
-    _raise_if_stuck(programs, ptr)
+    costs.check_stages(schedule.pp)
+    ex = _Execution(schedule, costs, iterations)
+    while ex.queue:
+        ex.run(ex.queue.popleft())
+    _raise_if_stuck(ex.programs, ex.ptr)
+    ends, length = ex.ends, ex.length
     makespan = max((e[-1] for e in ends.values() if e), default=0.0)
     iteration_ends = [max((e[(i + 1) * length[w] - 1] for w, e in ends.items() if length[w]), default=0.0) for i in range(iterations)]
-    return Timeline(starts, ends, makespan, iteration_ends)
+    return Timeline(ex.starts, ends, makespan, iteration_ends)
 
 
 def iteration_s(schedule: Schedule, costs: StageCosts) -> float:
