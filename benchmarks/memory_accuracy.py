@@ -28,7 +28,8 @@ from frenzy_prefect.training.measure import Workload, measure
 NANO = PRESETS["gpt-nano"]  # 4 layers, hidden 128, 4 heads, vocab 256, tied
 MICRO = PRESETS["gpt-micro"]  # 6 layers, hidden 256, 8 heads, vocab 256, tied
 WIDE = ModelSpec(  # untied, a larger vocabulary padded to a multiple of 128, an MLP narrower than 4h
-    name="wide-untied", layers=2, hidden=192, heads=6, vocab_size=2000, vocab_multiple=128, max_seq_len=128, ffn_hidden=512, tied_embeddings=False
+    name="wide-untied", layers=2, hidden=192, heads=6, vocab_size=2000, vocab_multiple=128, max_seq_len=128, ffn_hidden=512,
+    tied_embeddings=False,
 )
 
 # (model, plan, precision, global batch, sequence length, optimizer)

@@ -55,7 +55,8 @@ def main() -> None:
     args = parser.parse_args()
 
     rows = []
-    print(f"{'dp x pp':>8} {'failures':<17}{'bound':>6}{'heuristic':>10}{'milp':>8}{'lower bd':>9}{'steady':>8}{'h/milp':>8}{'h ms':>8}{'milp s':>8}  status")
+    print(f"{'dp x pp':>8} {'failures':<17}{'bound':>6}{'heuristic':>10}{'milp':>8}{'lower bd':>9}{'steady':>8}"
+          f"{'h/milp':>8}{'h ms':>8}{'milp s':>8}  status")
     for dp, pp in SHAPES:
         costs = costs_from_fault_free_step(1.0, dp, pp, MICROBATCHES)
         fault_free_period = steady_state_period_s(one_f_one_b(dp, pp, MICROBATCHES), costs)
@@ -107,14 +108,17 @@ def main() -> None:
         samples.append((time.perf_counter() - t) * 1e6)
     samples.sort()
     lookup = {"p50_us": statistics.median(samples), "p99_us": samples[int(0.99 * len(samples))], "max_us": samples[-1]}
-    print(f"cache {dp} x {pp}, up to 1 failure: {len(cache)} plans built in {build_s:.2f} s; lookup p50 {lookup['p50_us']:.1f} us, p99 {lookup['p99_us']:.1f} us")
+    print(f"cache {dp} x {pp}, up to 1 failure: {len(cache)} plans built in {build_s:.2f} s;"
+          f" lookup p50 {lookup['p50_us']:.1f} us, p99 {lookup['p99_us']:.1f} us")
 
     planned = [r for r in rows if "key" in r]
     one = [r for r in planned if r["pattern"].startswith("1 ")]
     targets = {
         # the worst single failure (first, middle or last stage), per shape and memory bound
         "one_failure_min_relative_throughput": {
-            f"{dp}x{pp} bound={bound}": min(r["milp_relative_throughput"] for r in one if (r["dp"], r["pp"], r["memory_bound"]) == (dp, pp, bound))
+            f"{dp}x{pp} bound={bound}": min(
+                r["milp_relative_throughput"] for r in one if (r["dp"], r["pp"], r["memory_bound"]) == (dp, pp, bound)
+            )
             for dp, pp in SHAPES for bound in (None, pp)
         },
         "one_failure_min_lower_bound_relative_throughput": {

@@ -60,7 +60,8 @@ def one(dp: int, pp: int, trace_name: str, runs: list[FailureTrace], policy: str
     results = []
     for trace in runs:
         horizon = None if trace_name in ("p3", "g4dn") else HORIZON_S
-        results.append(simulate(model, trace, make_policy(policy), samples_per_iteration=dp * MICROBATCHES, knobs=Knobs(), horizon_s=horizon))
+        results.append(simulate(model, trace, make_policy(policy), samples_per_iteration=dp * MICROBATCHES, knobs=Knobs(),
+                                horizon_s=horizon))
     counts: dict[str, float] = {}
     for r in results:
         for kind, n in r.counts.items():
@@ -98,7 +99,8 @@ def main() -> None:
     for r in rows:
         label = r["policy"] + ("" if r["reroute"] == args.reroute else f" ({r['reroute'][:4]})")
         events = ", ".join(f"{k} {v:g}" for k, v in r["events"].items())
-        print(f"{r['grid']:<6}{r['trace']:<11}{label:<24}{r['ratio']:>7.3f}{r['throughput']:>11.1f}{r['downtime_s'] / 3600:>11.2f}{r['stalled_s'] / 3600:>10.2f}{r['stage_wipeouts']:>9.1f}  {events}")
+        print(f"{r['grid']:<6}{r['trace']:<11}{label:<24}{r['ratio']:>7.3f}{r['throughput']:>11.1f}"
+              f"{r['downtime_s'] / 3600:>11.2f}{r['stalled_s'] / 3600:>10.2f}{r['stage_wipeouts']:>9.1f}  {events}")
 
     ratio = {(r["grid"], r["trace"], r["policy"], r["reroute"]): r["ratio"] for r in rows}
     targets = []
@@ -110,7 +112,8 @@ def main() -> None:
             targets.append({"grid": grid, "reroute": reroute, "target": "recycle >= 1.1x oobleck (transient)",
                             "value": recycle / ratio[(grid, "transient", "oobleck", args.reroute)], "threshold": 1.1})
             targets.append({"grid": grid, "reroute": reroute, "target": "adaptive >= oobleck (shrink)",
-                            "value": ratio[(grid, "shrink", "adaptive", reroute)] / ratio[(grid, "shrink", "oobleck", args.reroute)], "threshold": 1.0})
+                            "value": ratio[(grid, "shrink", "adaptive", reroute)] / ratio[(grid, "shrink", "oobleck", args.reroute)],
+                            "threshold": 1.0})
     print()
     for t in targets:
         verdict = "met" if t["value"] >= t["threshold"] - 1e-9 else "NOT met"

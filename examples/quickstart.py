@@ -88,7 +88,8 @@ def main() -> int:
                 model="gpt-nano", dataset=DATASET, global_batch=32, seq_len=128, steps=args.steps,
                 precision="fp32", log_every=10,
             )  # fmt: skip
-            print(f"Running train-llm: {request.model}, global batch {request.global_batch}, seq {request.seq_len}, {request.steps} steps ...")
+            print(f"Running train-llm: {request.model}, global batch {request.global_batch}, seq {request.seq_len},"
+                  f" {request.steps} steps ...")
             run = run_deployment(
                 "train-llm/frenzy",
                 parameters={"request": request.model_dump(mode="json"), "cluster": "local-hetero"},

@@ -35,7 +35,9 @@ async def reclaim_lost_runs(worker: BaseWorker) -> None:
     """Reclaim the runs of ``worker``'s pool whose worker is gone."""
     client = worker.client
     pool = WorkPoolFilter(name=WorkPoolFilterName(any_=[worker._work_pool_name]))
-    active = FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.PENDING, StateType.RUNNING, StateType.CANCELLING])))
+    active = FlowRunFilter(
+        state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.PENDING, StateType.RUNNING, StateType.CANCELLING]))
+    )
     ended = FlowRunFilter(end_time=FlowRunFilterEndTime(after_=datetime.now(timezone.utc) - timedelta(seconds=RECLAIM_WINDOW_S)))
     runs = [run for f in (active, ended) for run in await client.read_flow_runs(work_pool_filter=pool, flow_run_filter=f)]
     offline = {w.name for w in await client.read_workers_for_work_pool(worker._work_pool_name) if w.status == WorkerStatus.OFFLINE}
@@ -63,7 +65,8 @@ async def _reschedule(worker: BaseWorker, run: FlowRun) -> None:
     await worker.client.update_flow_run_labels(run.id, {run_labels.WAITING_FOR: "", run_labels.PROCESS: ""})
     await worker.client.set_flow_run_state(run.id, Scheduled(message=f"Rescheduled: its frenzy worker {lost} is gone"), force=True)
     worker.get_flow_run_logger(run).warning(
-        f"Rescheduled: its frenzy worker {lost} is gone while it waited for GPUs; it had started nothing, so any worker of the pool may take it"
+        f"Rescheduled: its frenzy worker {lost} is gone while it waited for GPUs;"
+        " it had started nothing, so any worker of the pool may take it"
     )
 
 
@@ -75,7 +78,8 @@ async def _reclaim(worker: BaseWorker, run: FlowRun) -> None:
     if lease != run_labels.RELEASED:
         await worker.client.release_concurrency_slots_with_lease(UUID(lease))  # a no-op once expired
     await worker.client.update_flow_run_labels(run.id, {run_labels.RECLAIMED_BY: worker.name})
-    message = f"its frenzy worker {run.labels.get(run_labels.WORKER)!r} ({owner}) is gone; {worker.name!r} stopped its processes and released its GPUs"
+    message = (f"its frenzy worker {run.labels.get(run_labels.WORKER)!r} ({owner}) is gone;"
+               f" {worker.name!r} stopped its processes and released its GPUs")
     worker.get_flow_run_logger(run).warning(f"Reclaimed: {message}")
     if not (run.state is not None and run.state.is_final()):
         await worker._propose_crashed_state(run, f"Crashed: {message}")

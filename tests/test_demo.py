@@ -114,7 +114,8 @@ with LocalStack(Path(sys.argv[1])) as stack:
 def test_sighup_inside_a_localstack_block_stops_what_it_started(tmp_path):
     out = tmp_path / "stack.out"
     with open(out, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-c", STACK_SCRIPT, str(tmp_path / "home")], cwd=ROOT, env=own_env(tmp_path / "home"), stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, "-c", STACK_SCRIPT, str(tmp_path / "home")], cwd=ROOT, env=own_env(tmp_path / "home"),
+                                stdout=f, stderr=subprocess.STDOUT)
     try:
         wait_for(out, "S3 http://", proc, timeout_s=120)
         started = descendants(proc.pid)

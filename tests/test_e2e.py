@@ -122,7 +122,8 @@ def test_a_job_no_gpu_can_hold_fails_in_allocate_before_any_process_starts(stack
     assert "the largest GPU available is A10" in run.state.message
     assert children(stack, run) == []
     with stack.client_settings(), get_client(sync_client=True) as client:
-        tasks = {t.name.rsplit("-", 1)[0]: t.state.type.value for t in client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [run.id]}))}
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id={"any_": [run.id]}))
+        tasks = {t.name.rsplit("-", 1)[0]: t.state.type.value for t in runs}
     assert tasks["allocate"] == "FAILED" and "train" not in tasks
 
 
@@ -207,7 +208,8 @@ def start_stepping(stack: LocalStack, dataset: str, name: str) -> UUID:
         run_id = run_deployment("distributed-train/frenzy", parameters=parameters, timeout=0).id
         deadline = time.monotonic() + 180
         with get_client(sync_client=True) as client:
-            while not any(log.message.startswith("step ") for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))):
+            run_logs = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id]))
+            while not any(log.message.startswith("step ") for log in client.read_logs(run_logs)):
                 assert time.monotonic() < deadline, "the training run never started stepping"
                 time.sleep(1)
     return run_id
@@ -237,7 +239,8 @@ def test_a_worker_killed_with_9_leaves_no_rank_running_and_its_restart_reclaims_
             while "frenzy.reclaimed-by" not in (run := client.read_flow_run(run_id)).labels:
                 assert time.monotonic() - killed < 60, run.labels
                 time.sleep(0.5)
-            while not (reclaimed := [log.message for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id]))) if log.message.startswith("Reclaimed: ")]):
+            run_logs = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id]))
+            while not (reclaimed := [log.message for log in client.read_logs(run_logs) if log.message.startswith("Reclaimed: ")]):
                 assert time.monotonic() - killed < 90, "no Reclaimed log line"  # logs reach the server in batches
                 time.sleep(1)
     # Rank 0 got the parent-death signal through torchrun and reported the run Crashed itself.
@@ -265,7 +268,8 @@ def test_a_rank_killed_with_9_crashes_the_run_naming_the_rank_node_and_signal(st
             killed = time.monotonic()
             run = wait_final(run_id, timeout_s=120)
             named = f"rank 1 on a10-node (pid {victim}) was killed by SIGKILL"
-            while named not in (logs := [log.message for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))]):
+            run_logs = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id]))
+            while named not in (logs := [log.message for log in client.read_logs(run_logs)]):
                 assert time.monotonic() < killed + 60, logs[-5:]  # logs reach the server in batches
                 time.sleep(0.5)
     assert run.state.is_crashed() and run.state.message == named, run.state
@@ -328,7 +332,9 @@ def check_crowd(stack: LocalStack, crowd: Crowd, workers: list[str]) -> None:
     assert not hit, f"{len(hit)} of {CROWD} runs ended on a server error:\n" + "\n".join(hit)
     logged = server_errors_in_worker_logs(stack, workers)
     assert not logged, f"{len(logged)} server errors reached the workers' runs:\n" + "\n\n".join(logged)
-    assert all(run.state.is_completed() for run in runs), [f"{run.state.type.value}: {run.state.message}" for run in runs if not run.state.is_completed()]
+    assert all(run.state.is_completed() for run in runs), [
+        f"{run.state.type.value}: {run.state.message}" for run in runs if not run.state.is_completed()
+    ]
     served_by = {run.labels["frenzy.worker"] for run in runs}
     assert served_by == set(workers), f"both workers should have taken runs: {served_by}"
     # The worker releases a run's GPUs after its processes exit, which can be just after the
@@ -379,7 +385,8 @@ def test_cancelling_a_running_training_run_stops_its_ranks_and_frees_its_gpus(st
     with stack.client_settings():
         from prefect.deployments import run_deployment
 
-        parent = run_deployment("train-llm/frenzy", parameters={"request": GOOD | {"dataset": dataset, "steps": 100_000}, "cluster": "local-hetero"}, timeout=0)
+        parent = run_deployment("train-llm/frenzy",
+                                parameters={"request": GOOD | {"dataset": dataset, "steps": 100_000}, "cluster": "local-hetero"}, timeout=0)
         deadline = time.monotonic() + 180
         with get_client(sync_client=True) as client:
             while True:  # until the ranks are training

@@ -22,7 +22,8 @@ def test_the_pure_core_imports_no_prefect():
         for p in (ROOT / "frenzy_prefect" / package).rglob("*.py")
         if p.name != "__init__.py"
     )
-    probe = f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\nprint(sorted(n for n in sys.modules if n.split('.')[0] == 'prefect'))"
+    probe = (f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\n"
+             "print(sorted(n for n in sys.modules if n.split('.')[0] == 'prefect'))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", f"the core pulled in Prefect: {out.stdout[:300]}"

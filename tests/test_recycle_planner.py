@@ -76,7 +76,8 @@ def _mutations(schedule):
     swapped = list(program)
     swapped[f], swapped[b] = swapped[b], swapped[f]
     yield "out of order|wrong side", schedule.replaced(worker, swapped)
-    yield "divides its gradients by", schedule.replaced(worker, [a._replace(divisor=a.divisor - 1) if a.kind == "AR" else a for a in program])
+    yield "divides its gradients by", schedule.replaced(worker,
+                                                        [a._replace(divisor=a.divisor - 1) if a.kind == "AR" else a for a in program])
 
 
 @given(cases(max_m=6), st.sampled_from(sorted(PLANNERS)), st.data())
@@ -163,7 +164,8 @@ def test_cache_looks_up_any_failed_set_with_the_same_counts():
     assert run_timeline(actual, costs).iteration_s == pytest.approx(a.plan.iteration_s)
     assert cache.lookup([]).key == (0, 0, 0)
     assert cache.rerouted_s((1, 0, 1)) == a.plan.iteration_s and cache.plan([0, 0, 0]).relative_throughput == pytest.approx(1, abs=0.2)
-    with pytest.raises(RecycleInputError, match=r"no precomputed plan for failures per stage \(1, 1, 1\) \(3 failures\); this cache covers up to 2"):
+    with pytest.raises(RecycleInputError,
+                       match=r"no precomputed plan for failures per stage \(1, 1, 1\) \(3 failures\); this cache covers up to 2"):
         cache.lookup({(0, 0), (0, 1), (0, 2)})
     with pytest.raises(NeedsCheckpointRestart, match="stage.s. 1 lost all 3 replicas"):
         cache.lookup({(0, 1), (1, 1), (2, 1)})

@@ -50,7 +50,9 @@ def test_p2p_allreduce_and_optimizer_add_to_the_critical_path():
 @settings(max_examples=40)
 def test_costs_from_a_fault_free_step_reproduce_it(shape, step_s, allreduce, optimizer, p2p):
     dp, pp, m = shape
-    costs = costs_from_fault_free_step(step_s, dp, pp, m, allreduce_fraction=allreduce, optimizer_fraction=optimizer, p2p_per_forward=p2p)
+    costs = costs_from_fault_free_step(
+        step_s, dp, pp, m, allreduce_fraction=allreduce, optimizer_fraction=optimizer, p2p_per_forward=p2p
+    )
     assert fault_free_iteration_s(costs, dp, pp, m) == pytest.approx(step_s, rel=1e-9)
     assert costs.forward_s[0] == pytest.approx(costs.backward_input_s[0]) == pytest.approx(costs.backward_weight_s[0])
 
@@ -112,8 +114,10 @@ def test_normalise_counts_failures_per_stage():
 @pytest.mark.parametrize(
     ("call", "error", "message"),
     [
-        (lambda: normalise(4, 3, [(4, 0)]), RecycleInputError, r"failed worker \(pipeline 4, stage 0\) does not exist; pipelines are 0..3, stages 0..2"),
-        (lambda: normalise(2, 3, [(0, 1), (1, 1)]), NeedsCheckpointRestart, "stage.s. 1 lost all 2 replicas: .* needs a checkpoint restart"),
+        (lambda: normalise(4, 3, [(4, 0)]), RecycleInputError,
+         r"failed worker \(pipeline 4, stage 0\) does not exist; pipelines are 0..3, stages 0..2"),
+        (lambda: normalise(2, 3, [(0, 1), (1, 1)]), NeedsCheckpointRestart,
+         "stage.s. 1 lost all 2 replicas: .* needs a checkpoint restart"),
         (lambda: key_from_stages(2, 3, [1, 1, 1]), RecycleInputError, "stage 1 has 2 replicas; 3 failures there is impossible"),
         (lambda: key_from_stages(2, 3, [3]), RecycleInputError, r"stage 3 does not exist; stages are 0..2 \(0-based\)"),
         (lambda: reroute(2, 2, 0, frozenset()), RecycleInputError, "microbatches must be a positive integer, got 0"),
@@ -191,8 +195,10 @@ def test_broken_schedules_are_rejected_with_the_reason(schedule, message):
 def test_a_schedule_whose_receives_wait_on_each_other_deadlocks():
     # Stage 0 waits for micro-batch 0's gradient before sending micro-batch 1; stage 1 wants 1 first.
     schedule = _program((0, 0), "F0@0", "SA0@0>0", "RG0@0<0", "B0@0", "W0@0", "F1@0", "SA1@0>0", "RG1@0<0", "B1@0", "W1@0", "AR/4", "OPT")
-    schedule = schedule.replaced((0, 1), [parse_action(a) for a in "RA1@0<0 F1@0 B1@0 SG1@0>0 W1@0 RA0@0<0 F0@0 B0@0 SG0@0>0 W0@0 AR/4 OPT".split()])
-    with pytest.raises(ScheduleDeadlock, match=r"deadlocks: 4 worker\(s\) never finish: \(pipeline 0, stage 0\) at RG0@0<0, \(pipeline 0, stage 1\) at RA1@0<0"):
+    program = "RA1@0<0 F1@0 B1@0 SG1@0>0 W1@0 RA0@0<0 F0@0 B0@0 SG0@0>0 W0@0 AR/4 OPT"
+    schedule = schedule.replaced((0, 1), [parse_action(a) for a in program.split()])
+    stuck = r"deadlocks: 4 worker\(s\) never finish: \(pipeline 0, stage 0\) at RG0@0<0, \(pipeline 0, stage 1\) at RA1@0<0"
+    with pytest.raises(ScheduleDeadlock, match=stuck):
         run_timeline(schedule, StageCosts.uniform(2))
     with pytest.raises(InvalidSchedule, match="deadlocks"):
         validate(schedule)

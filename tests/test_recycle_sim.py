@@ -136,7 +136,8 @@ def test_adaptive_is_never_below_oobleck_when_nodes_only_leave():
     for seed in range(3):
         tr = shrink_trace(32, mtbf_s=20 * 3600, horizon_s=8 * 3600, seed=seed)
         for dp, pp in ((4, 8), (8, 4)):
-            model = IterationTimes(dp, pp, 32, lambda d, p: T * 32 / (d * p) * (1 + (p - 1) / 32), balanced_reroute_bound(T * (1 + (pp - 1) / 32), dp))
+            model = IterationTimes(dp, pp, 32, lambda d, p: T * 32 / (d * p) * (1 + (p - 1) / 32),
+                                   balanced_reroute_bound(T * (1 + (pp - 1) / 32), dp))
             adaptive = simulate(model, tr, make_policy("adaptive"), samples_per_iteration=dp * 32, horizon_s=8 * 3600)
             oobleck = simulate(model, tr, make_policy("oobleck"), samples_per_iteration=dp * 32, horizon_s=8 * 3600)
             assert adaptive.throughput >= oobleck.throughput * 0.999

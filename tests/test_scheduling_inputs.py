@@ -27,7 +27,8 @@ def test_elasticflow_traces_load_whole_in_submission_order(name, jobs):
 
 @needs_traces
 def test_the_alibaba_cluster_needs_its_undisclosed_types_declared_and_then_has_6212_gpus():
-    with pytest.raises(FrenzyError, match="unknown gpu_type 'G[23]'; known types: A10, .* \\(declare it under gpu_types, in the cluster or in a GPU types file given with it\\)"):
+    unknown = "unknown gpu_type 'G[23]'; known types: A10, .* \\(declare it under gpu_types, in the cluster or in a GPU types file given with it\\)"
+    with pytest.raises(FrenzyError, match=unknown):
         load_alibaba_nodes(ALIBABA_NODES)
     declared = {name: GPU_CATALOG["A10"].model_copy(update={"name": name}) for name in ("G2", "G3")}
     cluster = load_alibaba_nodes(ALIBABA_NODES, declared)

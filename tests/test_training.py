@@ -89,7 +89,8 @@ def test_a_failing_rank_stops_the_whole_job_and_writes_nothing(s3):
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_a_lone_rank_trains_with_full_recomputation(dataset, precision):
     output = f"s3://{BUCKET}/runs/lone-{precision}"
-    job = make_job(profile_dataset(dataset, 64, NANO.vocab_size), output, ParallelPlan(micro_batch=8, recompute="full"), [Placement(node="n0", host="127.0.0.1", gpus=[0])],
+    job = make_job(profile_dataset(dataset, 64, NANO.vocab_size), output, ParallelPlan(micro_batch=8, recompute="full"),
+                   [Placement(node="n0", host="127.0.0.1", gpus=[0])],
                    steps=15, precision=precision)  # fmt: skip
     lines = []
     result = train(job, DistributedContext(), log=lines.append)

@@ -71,7 +71,8 @@ def test_the_local_launcher_refuses_remote_hosts_before_starting_anything():
 
 def test_kill_infrastructure_stops_every_process_of_the_run():
     async def scenario():
-        group = await start_local([Launch(host="127.0.0.1", argv=["sleep", "60"]), Launch(host="127.0.0.1", argv=["sh", "-c", "sleep 60 & wait"])])
+        group = await start_local([Launch(host="127.0.0.1", argv=["sleep", "60"]),
+                                   Launch(host="127.0.0.1", argv=["sh", "-c", "sleep 60 & wait"])])
         await FrenzyWorker(work_pool_name="p").kill_infrastructure(group.identifier, FrenzyJobConfiguration(), grace_seconds=2)
         return group.pids, await group.wait()
 
@@ -115,7 +116,8 @@ def test_a_rank_killed_with_sigkill_is_named_with_its_node_and_signal(dataset):
 
 def test_a_command_without_ranks_is_named_by_its_node_and_pid():
     async def scenario() -> tuple[int, int, ProcessGroup]:
-        group = await start_local([Launch(host="127.0.0.1", node="n0", argv=["sleep", "60"]), Launch(host="127.0.0.1", argv=["sleep", "60"])])
+        group = await start_local([Launch(host="127.0.0.1", node="n0", argv=["sleep", "60"]),
+                                   Launch(host="127.0.0.1", argv=["sleep", "60"])])
         os.kill(group.pids[0], signal.SIGKILL)
         return await group.wait(grace_s=2), group.pids[0], group
 
@@ -129,7 +131,8 @@ def test_cancelling_the_wait_stops_every_command_at_once():
     exit."""
 
     async def scenario() -> list[int]:
-        group = await start_local([Launch(host="127.0.0.1", argv=["sleep", "60"]), Launch(host="127.0.0.1", argv=["sh", "-c", "sleep 60 & wait"])])
+        group = await start_local([Launch(host="127.0.0.1", argv=["sleep", "60"]),
+                                   Launch(host="127.0.0.1", argv=["sh", "-c", "sleep 60 & wait"])])
         waiting = asyncio.ensure_future(group.wait())
         await asyncio.sleep(0.5)
         waiting.cancel()

@@ -143,4 +143,5 @@ async def start_ssh(launches: list[Launch], settings: SshSettings, cwd: Path | N
 
         return read
 
-    return ProcessGroup(processes, launches, rendezvous_port=port, accounts=[account(i) for i in range(len(processes))], readers=[c.reader for c in channels])
+    return ProcessGroup(processes, launches, rendezvous_port=port, accounts=[account(i) for i in range(len(processes))],
+                        readers=[c.reader for c in channels])

@@ -33,6 +33,7 @@ def rank_launches(job: TrainingJob, *, python: str, env: dict[str, str]) -> list
             "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in placement.gpus),
         }
         launches.append(
-            Launch(host=placement.host, node=placement.node, argv=argv, env=node_env, processes=len(placement.gpus), port_env=MASTER_PORT_ENV)
+            Launch(host=placement.host, node=placement.node, argv=argv, env=node_env, processes=len(placement.gpus),
+                   port_env=MASTER_PORT_ENV)
         )
     return launches

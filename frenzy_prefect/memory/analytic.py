@@ -111,7 +111,8 @@ class MicroBatchTerms(NamedTuple):
 
 
 @lru_cache(maxsize=4096)
-def micro_batch_terms(model: ModelSpec, tp: int, micro_batch: int, seq_len: int, precision: Precision, recompute: str, zero3: bool) -> MicroBatchTerms:
+def micro_batch_terms(model: ModelSpec, tp: int, micro_batch: int, seq_len: int, precision: Precision, recompute: str,
+                      zero3: bool) -> MicroBatchTerms:
     s, b, h, f, a, V, t = seq_len, micro_batch, model.hidden, model.ffn_hidden, model.heads, model.padded_vocab, tp
     e = COMPUTE_BYTES[precision]
     half = e < FP32
@@ -268,7 +269,8 @@ def estimate(
     )
 
 
-def _zero_peak(model: ModelSpec, plan: ParallelPlan, moments: Moments, micro_batches: int, optimizer_bytes_per_param: int, on_gpu: bool) -> Breakdown:
+def _zero_peak(model: ModelSpec, plan: ParallelPlan, moments: Moments, micro_batches: int, optimizer_bytes_per_param: int,
+               on_gpu: bool) -> Breakdown:
     """(params, grads, optimizer, saved, transient) at the peak of the worst data-parallel rank
     under DeepSpeed's ZeRO (tp = pp = 1, fp32 weights), as DeepSpeed 0.19 allocates:
 

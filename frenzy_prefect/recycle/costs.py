@@ -45,9 +45,12 @@ class StageCosts(BaseModel):
 
     @model_validator(mode="after")
     def _same_length(self) -> "StageCosts":
-        lengths = {len(x) for x in (self.forward_s, self.backward_input_s, self.backward_weight_s, self.gradient_transfer_s, self.optimizer_s)}
+        lengths = {len(x) for x in (self.forward_s, self.backward_input_s, self.backward_weight_s, self.gradient_transfer_s,
+                                    self.optimizer_s)}
         if len(lengths) != 1:
-            raise ValueError("forward_s, backward_input_s, backward_weight_s, gradient_transfer_s and optimizer_s need one entry per stage each")
+            raise ValueError(
+                "forward_s, backward_input_s, backward_weight_s, gradient_transfer_s and optimizer_s need one entry per stage each"
+            )
         return self
 
     @property
@@ -90,7 +93,8 @@ class StageCosts(BaseModel):
         bubble-free compute of one GPU's step divided over the micro-batches and split F : B : W
         (balanced stages, as the model assumes), tensor-parallel all-reduces added to F and B, the
         stage boundary send, and each stage's own gradient bytes and optimizer step."""
-        step = predict_step(model, plan, global_batch=global_batch, seq_len=seq_len, precision=precision, gpu=gpu, network_gbps=network_gbps)
+        step = predict_step(model, plan, global_batch=global_batch, seq_len=seq_len, precision=precision, gpu=gpu,
+                            network_gbps=network_gbps)
         micro_batches = plan.accumulation(global_batch)
         compute = step.compute_at_peak_s / step.achievable_fraction / (1 + (plan.pp - 1) / micro_batches) / micro_batches
         tp = tensor_parallel_s(model, plan, seq_len, precision, gpu) / 2  # half in the forward, half in the backward

@@ -99,7 +99,8 @@ class IterationTimes:
             raise FrenzyError(f"failures per stage must have {self.pp} entries (one per stage), got {len(failures_per_stage)}")
         if any(f < 0 or f >= self.dp for f in failures_per_stage):
             raise FrenzyError(
-                f"failures per stage {failures_per_stage}: each must be in 0..{self.dp - 1}; a stage with no live replica cannot be re-routed around"
+                f"failures per stage {failures_per_stage}: each must be in 0..{self.dp - 1};"
+                " a stage with no live replica cannot be re-routed around"
             )
         if not any(failures_per_stage):
             return self.fault_free_s(self.dp, self.pp)
@@ -177,9 +178,13 @@ def load_step_time_table(path: Path) -> StepTimeTable:
     except OSError as exc:
         raise FrenzyError(f"cannot read step-time table {path}: {exc.strerror}") from None
     except json.JSONDecodeError as exc:
-        raise FrenzyError(f"{path}:{exc.lineno}:{exc.colno}: not JSON ({exc.msg}); expected {{\"alive workers\": step seconds, ...}}") from None
+        raise FrenzyError(
+            f"{path}:{exc.lineno}:{exc.colno}: not JSON ({exc.msg}); expected {{\"alive workers\": step seconds, ...}}"
+        ) from None
     if not isinstance(raw, dict) or not raw:
-        raise FrenzyError(f"{path}: expected a non-empty JSON object {{\"alive workers\": step seconds, ...}}, e.g. {{\"32\": 1.2, \"16\": 2.3}}")
+        raise FrenzyError(
+            f"{path}: expected a non-empty JSON object {{\"alive workers\": step seconds, ...}}, e.g. {{\"32\": 1.2, \"16\": 2.3}}"
+        )
     seconds: dict[int, float] = {}
     for key, value in raw.items():
         if not str(key).isdigit() or int(key) <= 0:

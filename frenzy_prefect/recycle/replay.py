@@ -143,6 +143,63 @@ def _resume(decision: Decision, membership: Membership, knobs: Knobs) -> Decisio
                    pause_s=max(decision.pause_s, knobs.restart_s), note=decision.note + "; resumed after a stall")
 
 
+def _window(trace: FailureTrace, samples_per_iteration: int, horizon_s: float | None) -> tuple[float, float]:
+    """The measured window's start and length, after checking the inputs that set it."""
+    if samples_per_iteration <= 0:
+        raise FrenzyError(f"samples per iteration must be positive, got {samples_per_iteration}")
+    start = trace.events[0].time_s
+    horizon = horizon_s if horizon_s is not None else trace.end_s - start
+    if horizon <= 0:
+        raise FrenzyError(f"the horizon must be positive (the trace {trace.name} spans {trace.end_s - start:g} s); pass horizon_s")
+    return start, horizon
+
+
+class _Replayed:
+    """What the replay of the trace's events recorded, beyond the run's own counters."""
+
+    def __init__(self) -> None:
+        self.events: list[RecoveryEvent] = []
+        self.change_times: list[float] = []
+        self.wipeouts = 0
+        self.workers_at_start = 0
+
+
+def _replay(model: IterationModel, trace: FailureTrace, policy: Policy, knobs: Knobs, membership: Membership,
+            run: _Run, start: float, end: float) -> _Replayed:  # fmt: skip
+    """Feed the trace's events before ``end``, grouped by time, to the membership and the policy,
+    and apply each decision to the run."""
+    out = _Replayed()
+    groups: dict[float, list] = {}
+    for event in trace.events:
+        if event.time_s < end:
+            groups.setdefault(event.time_s, []).append(event)
+    for now, group in groups.items():
+        first = run.cfg is None
+        run.advance(now)
+        wiped_before = first or bool(membership.lost_stages())
+        changes = [c for e in group for c in membership.apply(e, started=not first)]
+        if any(c.kind in ("lost", "filled") for c in changes):
+            out.change_times.append(now)
+        if not wiped_before and membership.lost_stages():
+            out.wipeouts += 1
+        decision = policy.react(View(now, membership, model, knobs, changes, first, out.change_times))
+        if decision is None:
+            continue
+        if run.cfg is not None and run.cfg.iteration_s is None and decision.iteration_s is not None:
+            decision = _resume(decision, membership, knobs)
+        if first:
+            out.workers_at_start = membership.occupied
+            decision = replace(decision, kind="start", pause_s=0.0, delay_s=0.0, rollback=False)
+        lost = run.apply(decision)
+        if decision.restore_state:
+            membership.restore_state()
+        out.events.append(RecoveryEvent(
+            time_s=now - start, kind=decision.kind, grid=decision.grid, iteration_s=decision.iteration_s,
+            downtime_s=decision.pause_s, delay_s=decision.delay_s, lost_samples=lost, workers=membership.occupied, note=decision.note,
+        ))
+    return out
+
+
 def simulate(
     model: IterationModel,
     trace: FailureTrace,
@@ -157,50 +214,15 @@ def simulate(
     """Replay ``trace`` on a model.dp x model.pp grid under ``policy``. ``homes`` pins nodes to
     slots (see ``membership``); ``horizon_s`` defaults to the trace's last event."""
     knobs = knobs or Knobs()
-    if samples_per_iteration <= 0:
-        raise FrenzyError(f"samples per iteration must be positive, got {samples_per_iteration}")
-    start = trace.events[0].time_s
-    horizon = horizon_s if horizon_s is not None else trace.end_s - start
-    if horizon <= 0:
-        raise FrenzyError(f"the horizon must be positive (the trace {trace.name} spans {trace.end_s - start:g} s); pass horizon_s")
+    start, horizon = _window(trace, samples_per_iteration, horizon_s)
     end = start + horizon
     membership = Membership(model.dp, model.pp, homes, fill_vacancies)
     run = _Run(samples_per_iteration, knobs)
     run.t = run.last_checkpoint = start
-    events: list[RecoveryEvent] = []
-    change_times: list[float] = []
-    wipeouts = 0
-    workers_at_start = 0
-    groups: dict[float, list] = {}
-    for event in trace.events:
-        if event.time_s < end:
-            groups.setdefault(event.time_s, []).append(event)
-    for now, group in groups.items():
-        first = run.cfg is None
-        run.advance(now)
-        wiped_before = first or bool(membership.lost_stages())
-        changes = [c for e in group for c in membership.apply(e, started=not first)]
-        if any(c.kind in ("lost", "filled") for c in changes):
-            change_times.append(now)
-        if not wiped_before and membership.lost_stages():
-            wipeouts += 1
-        decision = policy.react(View(now, membership, model, knobs, changes, first, change_times))
-        if decision is None:
-            continue
-        if run.cfg is not None and run.cfg.iteration_s is None and decision.iteration_s is not None:
-            decision = _resume(decision, membership, knobs)
-        if first:
-            workers_at_start = membership.occupied
-            decision = replace(decision, kind="start", pause_s=0.0, delay_s=0.0, rollback=False)
-        lost = run.apply(decision)
-        if decision.restore_state:
-            membership.restore_state()
-        events.append(RecoveryEvent(
-            time_s=now - start, kind=decision.kind, grid=decision.grid, iteration_s=decision.iteration_s,
-            downtime_s=decision.pause_s, delay_s=decision.delay_s, lost_samples=lost, workers=membership.occupied, note=decision.note,
-        ))
+    replayed = _replay(model, trace, policy, knobs, membership, run, start, end)
     run.advance(end)
 
+    events = replayed.events
     fault_free = samples_per_iteration / model.fault_free_s(model.dp, model.pp)
     throughput = run.completed / horizon
     span = (run.last_end - run.first_start) if run.last_end is not None and run.first_start is not None else 0.0
@@ -208,12 +230,12 @@ def simulate(
     counts = dict(Counter(e.kind for e in events))
     return ResilienceResult(
         policy=type(policy).name, trace=trace.name, dp=model.dp, pp=model.pp, microbatches=model.microbatches,
-        samples_per_iteration=samples_per_iteration, start_s=start, horizon_s=horizon, workers_at_start=workers_at_start,
+        samples_per_iteration=samples_per_iteration, start_s=start, horizon_s=horizon, workers_at_start=replayed.workers_at_start,
         completed_samples=run.completed, throughput=throughput, span_throughput=span_throughput,
         fault_free_throughput=fault_free, ratio=throughput / fault_free, span_ratio=span_throughput / fault_free,
         first_iteration_start_s=None if run.first_start is None else run.first_start - start,
         last_iteration_end_s=None if run.last_end is None else run.last_end - start,
         downtime_s=sum(e.downtime_s for e in events if e.kind != "start"), stalled_s=run.stalled_s,
-        lost_samples=sum(e.lost_samples for e in events), counts=counts, stage_wipeouts=wipeouts,
+        lost_samples=sum(e.lost_samples for e in events), counts=counts, stage_wipeouts=replayed.wipeouts,
         nodes_outside_grid=len(membership.outside_grid), spare_fills=membership.spare_fills, events=events,
     )

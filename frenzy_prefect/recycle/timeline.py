@@ -71,79 +71,124 @@ def _needs(a: Action, stage: int, pp: int) -> tuple[tuple, ...]:
     return ()
 
 
-def run_timeline(schedule: Schedule, costs: StageCosts, iterations: int = 1) -> Timeline:
-    """Start and end of every action of ``iterations`` back-to-back iterations; raises
-    ScheduleDeadlock naming the stuck workers."""
-    pp = schedule.pp
-    costs.check_stages(pp)
-    ready: dict[tuple, float] = {}
-    waiting: dict[tuple, list[Worker]] = defaultdict(list)
-    length = {w: len(program) for w, program in schedule.programs.items()}
-    programs = {w: program * iterations for w, program in schedule.programs.items()}
-    ptr = {w: 0 for w in programs}
-    free = {w: 0.0 for w in programs}
-    starts: dict[Worker, list[float]] = {w: [] for w in programs}
-    ends: dict[Worker, list[float]] = {w: [] for w in programs}
-    arrived: dict[tuple[int, int], dict[Worker, float]] = defaultdict(dict)  # (stage, iteration)
-    live_count = {s: sum(1 for (_, st) in programs if st == s) for s in range(pp)}
-    queue = deque(programs)
+def compute_needs(kind: str, stage: int, pp: int) -> tuple[tuple[str, int], ...]:
+    """The compute actions, as (kind, stage) of the same micro-batch, that an F, B or W at ``stage``
+    waits for: the rules of ``_needs`` with each receive followed back through its send to the
+    compute that produced it (a need at another stage arrives ``p2p_s`` after that compute ends).
+    Planners that simulate compute only (the list scheduler) use this instead of their own copy."""
+    out = []
+    for need_kind, _, _, need_stage in _needs(Action(kind), stage, pp):
+        while need_kind not in ("F", "B", "W"):
+            ((need_kind, _, _, need_stage),) = _needs(Action(need_kind), need_stage, pp)
+        out.append((need_kind, need_stage))
+    return tuple(out)
 
-    def finish(w: Worker, start: float, end: float, key: tuple | None, available: float) -> None:
-        starts[w].append(start)
-        ends[w].append(end)
-        free[w] = end
-        ptr[w] += 1
-        if key is not None:
-            ready[key] = available
-            for waiter in waiting.pop(key, ()):
-                queue.append(waiter)
 
-    while queue:
-        w = queue.popleft()
-        program, stage = programs[w], w[1]
-        while ptr[w] < len(program):
-            a = program[ptr[w]]
-            it = ptr[w] // length[w]
-            if a.kind == "AR":
-                group = arrived[(stage, it)]
-                if w in group:
-                    break
-                group[w] = free[w]
-                if len(group) < live_count[stage]:
-                    break
-                begin = max(group.values())
-                end = begin + costs.allreduce_s(stage, live_count[stage])
-                for peer in group:
-                    finish(peer, begin, end, None, end)
-                    if peer != w:
-                        queue.append(peer)
-                continue
-            needs = [(*k, it) for k in _needs(a, stage, pp)]
-            missing = next((k for k in needs if k not in ready), None)
-            if missing is not None:
-                waiting[missing].append(w)
-                break
-            start = max([free[w], *(ready[k] for k in needs)])
-            kind = a.kind
-            if kind in ("F", "B", "W"):
-                end = start + costs.compute_s(kind, stage)
-                finish(w, start, end, (kind, a.pipeline, a.micro, stage, it), end)
-            elif kind in ("SA", "SG"):
-                finish(w, start, start, (kind, a.pipeline, a.micro, stage, it), start + costs.p2p_s)
-            elif kind in ("RA", "RG"):
-                finish(w, start, start, (kind, a.pipeline, a.micro, stage, it), start)
-            elif kind == "OPT":
-                end = start + costs.optimizer_s[stage]
-                finish(w, start, end, None, end)
-            else:
-                raise RecycleInputError(f"worker {w} has an action of unknown kind {kind!r}")
+def _run_action(w: Worker, a: Action, start: float, costs: StageCosts) -> tuple[float, str | None, float]:
+    """One non-collective action started at ``start``: its end, the key kind it publishes (None:
+    nothing) and when what it publishes is available to the consumer."""
+    kind, stage = a.kind, w[1]
+    if kind in ("F", "B", "W"):
+        end = start + costs.compute_s(kind, stage)
+        return end, kind, end
+    if kind in ("SA", "SG"):  # asynchronous: no worker time, the peer has it p2p_s later
+        return start, kind, start + costs.p2p_s
+    if kind in ("RA", "RG"):
+        return start, kind, start
+    if kind == "OPT":
+        end = start + costs.optimizer_s[stage]
+        return end, None, end
+    raise RecycleInputError(f"worker {w} has an action of unknown kind {kind!r}")
+
+
+def _raise_if_stuck(programs: dict[Worker, list[Action]], ptr: dict[Worker, int]) -> None:
     stuck = {w: str(programs[w][ptr[w]]) for w in programs if ptr[w] < len(programs[w])}
     if stuck:
         shown = ", ".join(f"(pipeline {p}, stage {s}) at {a}" for (p, s), a in sorted(stuck.items())[:6])
         raise ScheduleDeadlock(f"the schedule deadlocks: {len(stuck)} worker(s) never finish: {shown}")
+
+
+class _Execution:
+    """The state of one run_timeline: where each worker is in its program, when it is free, what
+    has been published (and when it is available) and who waits for it."""
+
+    def __init__(self, schedule: Schedule, costs: StageCosts, iterations: int) -> None:
+        self.pp, self.costs = schedule.pp, costs
+        self.ready: dict[tuple, float] = {}
+        self.waiting: dict[tuple, list[Worker]] = defaultdict(list)
+        self.length = {w: len(program) for w, program in schedule.programs.items()}
+        self.programs = {w: program * iterations for w, program in schedule.programs.items()}
+        self.ptr = {w: 0 for w in self.programs}
+        self.free = {w: 0.0 for w in self.programs}
+        self.starts: dict[Worker, list[float]] = {w: [] for w in self.programs}
+        self.ends: dict[Worker, list[float]] = {w: [] for w in self.programs}
+        self.arrived: dict[tuple[int, int], dict[Worker, float]] = defaultdict(dict)  # (stage, iteration)
+        self.live_count = {s: sum(1 for (_, st) in self.programs if st == s) for s in range(self.pp)}
+        self.queue = deque(self.programs)
+
+    def finish(self, w: Worker, start: float, end: float, key: tuple | None, available: float) -> None:
+        self.starts[w].append(start)
+        self.ends[w].append(end)
+        self.free[w] = end
+        self.ptr[w] += 1
+        if key is not None:
+            self.ready[key] = available
+            for waiter in self.waiting.pop(key, ()):
+                self.queue.append(waiter)
+
+    def allreduce(self, w: Worker, stage: int, it: int) -> bool:
+        """Arrive at the collective; True when it ran (w was the last live peer), so w goes on."""
+        group = self.arrived[(stage, it)]
+        if w in group:
+            return False
+        group[w] = self.free[w]
+        if len(group) < self.live_count[stage]:
+            return False
+        begin = max(group.values())
+        end = begin + self.costs.allreduce_s(stage, self.live_count[stage])
+        for peer in group:
+            self.finish(peer, begin, end, None, end)
+            if peer != w:
+                self.queue.append(peer)
+        return True
+
+    def run(self, w: Worker) -> None:
+        """Run w's program until an action waits for a key not yet published (w parks on it) or
+        for its stage's all-reduce, or the program ends."""
+        program, stage = self.programs[w], w[1]
+        while self.ptr[w] < len(program):
+            a = program[self.ptr[w]]
+            it = self.ptr[w] // self.length[w]
+            if a.kind == "AR":
+                if not self.allreduce(w, stage, it):
+                    break
+                continue
+            needs = [(*k, it) for k in _needs(a, stage, self.pp)]
+            missing = next((k for k in needs if k not in self.ready), None)
+            if missing is not None:
+                self.waiting[missing].append(w)
+                break
+            start = max([self.free[w], *(self.ready[k] for k in needs)])
+            end, published, available = _run_action(w, a, start, self.costs)
+            self.finish(w, start, end, None if published is None else (published, a.pipeline, a.micro, stage, it), available)
+
+
+def run_timeline(schedule: Schedule, costs: StageCosts, iterations: int = 1) -> Timeline:
+    """Start and end of every action of ``iterations`` back-to-back iterations; raises
+    ScheduleDeadlock naming the stuck workers.
+
+    Event-driven: a worker runs its program until an action waits for a key not yet published
+    (it parks on that key and is re-queued when it appears) or reaches its stage's all-reduce
+    (the last peer to arrive runs the collective for all)."""
+    costs.check_stages(schedule.pp)
+    ex = _Execution(schedule, costs, iterations)
+    while ex.queue:
+        ex.run(ex.queue.popleft())
+    _raise_if_stuck(ex.programs, ex.ptr)
+    ends, length = ex.ends, ex.length
     makespan = max((e[-1] for e in ends.values() if e), default=0.0)
     iteration_ends = [max((e[(i + 1) * length[w] - 1] for w, e in ends.items() if length[w]), default=0.0) for i in range(iterations)]
-    return Timeline(starts, ends, makespan, iteration_ends)
+    return Timeline(ex.starts, ends, makespan, iteration_ends)
 
 
 def iteration_s(schedule: Schedule, costs: StageCosts) -> float:

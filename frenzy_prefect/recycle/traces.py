@@ -92,7 +92,9 @@ def load_failure_trace(path: Path) -> FailureTrace:
             raise FrenzyError(f"{where}: field 1 (time_ms): {time_text!r} is not a whole number of milliseconds")
         time_ms = int(time_text)
         if time_ms < last_ms:
-            raise FrenzyError(f"{where}: field 1 (time_ms): {time_ms} is earlier than the previous event ({last_ms}); events must be in time order")
+            raise FrenzyError(
+                f"{where}: field 1 (time_ms): {time_ms} is earlier than the previous event ({last_ms}); events must be in time order"
+            )
         if kind not in ("add", "remove"):
             raise FrenzyError(f"{where}: field 2 (event): {kind!r} is not add or remove")
         if not NODE.fullmatch(node):

@@ -61,99 +61,123 @@ def _percentile(sorted_values: list[float], q: float) -> float | None:
     return sorted_values[min(len(sorted_values) - 1, math.ceil(q * len(sorted_values)) - 1)]
 
 
-def simulate(jobs: list[SimJob], cluster_spec: ClusterSpec, policy: Policy) -> SimulationResult:
-    wall = time.perf_counter()
-    cluster = SimCluster(cluster_spec)
-    events: list[tuple[float, int, int, object]] = []
-    seq = 0
+class _Replay:
+    """One replay's state: the event heap, the queue and what the result counts. ``simulate``
+    drains each instant's events, then lets the policy decide."""
 
-    def push(at: float, kind: int, payload: object) -> None:
-        nonlocal seq
-        heapq.heappush(events, (at, kind, seq, payload))
-        seq += 1
+    def __init__(self, jobs: list[SimJob], cluster_spec: ClusterSpec, policy: Policy):
+        self.jobs, self.policy = jobs, policy
+        self.cluster = SimCluster(cluster_spec)
+        self.events: list[tuple[float, int, int, object]] = []
+        self.seq = 0
+        self.order = {job.job_id: i for i, job in enumerate(jobs)}
+        for job in jobs:
+            self.push(job.arrival_s, _ARRIVAL, job)
+        self.queue: list[Waiting] = []
+        self.jcts: list[float] = []
+        self.unschedulable: list[Unschedulable] = []
+        self.latencies: list[float] = []
+        self.busy_gpu_s = 0.0
+        self.restarts = 0
+        self.last_end = 0.0
+        self.round_pending = False
 
-    order = {job.job_id: i for i, job in enumerate(jobs)}
-    for job in jobs:
-        push(job.arrival_s, _ARRIVAL, job)
-    queue: list[Waiting] = []
-    queue_key = lambda w: order[w.job.job_id]  # noqa: E731 - a retried job keeps its place
-    jcts: list[float] = []
-    unschedulable: list[Unschedulable] = []
-    latencies: list[float] = []
-    busy_gpu_s = 0.0
-    restarts = 0
-    last_end = 0.0
-    round_pending = False
+    def push(self, at: float, kind: int, payload: object) -> None:
+        heapq.heappush(self.events, (at, kind, self.seq, payload))
+        self.seq += 1
 
-    while events:
-        now = events[0][0]
+    def queue_key(self, w: Waiting) -> int:
+        return self.order[w.job.job_id]  # a retried job keeps its place
+
+    def complete(self, run: Run, now: float) -> None:
+        """Free the run's GPUs; an out-of-memory run goes back to the queue, any other is done."""
+        self.cluster.release(run.gpu_type, run.placements)
+        del self.cluster.running[run.job.job_id]
+        self.last_end = now
+        if run.out_of_memory:
+            self.restarts += 1
+            insort(self.queue, Waiting(run.job, run.waiting.out_of_memory + 1), key=self.queue_key)
+        else:
+            self.jcts.append(now - run.job.arrival_s)
+
+    def drain(self, now: float) -> bool:
+        """Handle every event at ``now``; True when the policy is to decide now (every event
+        without rounds, a round boundary with them: the first other event schedules the next one)."""
         decide = False
-        while events and events[0][0] == now:
-            _, kind, _, payload = heapq.heappop(events)
+        while self.events and self.events[0][0] == now:
+            _, kind, _, payload = heapq.heappop(self.events)
             if kind == _COMPLETION:
-                run: Run = payload  # type: ignore[assignment]
-                cluster.release(run.gpu_type, run.placements)
-                del cluster.running[run.job.job_id]
-                last_end = now
-                if run.out_of_memory:
-                    restarts += 1
-                    waiting = run.waiting
-                    insort(queue, Waiting(run.job, waiting.out_of_memory + 1), key=queue_key)
-                else:
-                    jcts.append(now - run.job.arrival_s)
+                self.complete(payload, now)  # type: ignore[arg-type]
             elif kind == _ARRIVAL:
-                job: SimJob = payload  # type: ignore[assignment]
-                policy.prepare(job, cluster)
-                insort(queue, Waiting(job), key=queue_key)
+                self.policy.prepare(payload, self.cluster)  # type: ignore[arg-type]
+                insort(self.queue, Waiting(payload), key=self.queue_key)  # type: ignore[arg-type]
             else:
-                round_pending = False
+                self.round_pending = False
                 decide = True
-            if kind != _ROUND and policy.round_s is None:
+            if kind != _ROUND and self.policy.round_s is None:
                 decide = True
-            elif kind != _ROUND and not round_pending:
-                push(math.ceil(now / policy.round_s) * policy.round_s, _ROUND, None)
-                round_pending = True
-        if not (decide and queue):
-            continue
+            elif kind != _ROUND and not self.round_pending:
+                self.push(math.ceil(now / self.policy.round_s) * self.policy.round_s, _ROUND, None)
+                self.round_pending = True
+        return decide
+
+    def decide(self, now: float) -> None:
+        """One policy decision, timed; start or reject what it names."""
         started = time.perf_counter()
-        decisions = policy.schedule(now, queue, cluster)
-        latencies.append((time.perf_counter() - started) * 1e3)
+        decisions = self.policy.schedule(now, self.queue, self.cluster)
+        self.latencies.append((time.perf_counter() - started) * 1e3)
         done = set()
         for d in decisions:
             done.add(d.waiting.job.job_id)
             if isinstance(d, Reject):
-                unschedulable.append(Unschedulable(job_id=d.waiting.job.job_id, reason=d.reason))
+                self.unschedulable.append(Unschedulable(job_id=d.waiting.job.job_id, reason=d.reason))
                 continue
-            run = start_run(d, cluster, now)
-            cluster.running[run.job.job_id] = run
-            busy_gpu_s += d.plan.gpus * (run.end_s - now)
-            push(run.end_s, _COMPLETION, run)
+            run = start_run(d, self.cluster, now)
+            self.cluster.running[run.job.job_id] = run
+            self.busy_gpu_s += d.plan.gpus * (run.end_s - now)
+            self.push(run.end_s, _COMPLETION, run)
         if done:
-            queue = [w for w in queue if w.job.job_id not in done]
+            self.queue = [w for w in self.queue if w.job.job_id not in done]
 
-    for waiting in queue:  # nothing runs and nothing will arrive: the policy never placed these
-        unschedulable.append(Unschedulable(job_id=waiting.job.job_id, reason=f"{policy.name} placed it nowhere, even on an idle cluster"))
-    jcts.sort()
-    latencies.sort()
-    first = min((j.arrival_s for j in jobs), default=0.0)
-    makespan = max(0.0, last_end - first)
-    return SimulationResult(
-        policy=policy.name,
-        cluster_gpus=cluster.gpus,
-        jobs_total=len(jobs),
-        jobs_completed=len(jcts),
-        jobs_unschedulable=len(unschedulable),
-        out_of_memory_restarts=restarts,
-        avg_jct_s=sum(jcts) / len(jcts) if jcts else None,
-        p50_jct_s=_percentile(jcts, 0.5),
-        p99_jct_s=_percentile(jcts, 0.99),
-        makespan_s=makespan,
-        gpu_utilization=busy_gpu_s / (cluster.gpus * makespan) if makespan else 0.0,
-        decision_latency_ms=Latency(p50=_percentile(latencies, 0.5) or 0.0, p99=_percentile(latencies, 0.99) or 0.0, max=latencies[-1] if latencies else 0.0),
-        decisions=len(latencies),
-        unschedulable=unschedulable,
-        wall_s=time.perf_counter() - wall,
-    )
+    def result(self, wall: float) -> SimulationResult:
+        unschedulable, jcts, latencies = self.unschedulable, self.jcts, self.latencies
+        reason = f"{self.policy.name} placed it nowhere, even on an idle cluster"
+        for waiting in self.queue:  # nothing runs and nothing will arrive: the policy never placed these
+            unschedulable.append(Unschedulable(job_id=waiting.job.job_id, reason=reason))
+        jcts.sort()
+        latencies.sort()
+        first = min((j.arrival_s for j in self.jobs), default=0.0)
+        makespan = max(0.0, self.last_end - first)
+        gpus = self.cluster.gpus
+        return SimulationResult(
+            policy=self.policy.name,
+            cluster_gpus=gpus,
+            jobs_total=len(self.jobs),
+            jobs_completed=len(jcts),
+            jobs_unschedulable=len(unschedulable),
+            out_of_memory_restarts=self.restarts,
+            avg_jct_s=sum(jcts) / len(jcts) if jcts else None,
+            p50_jct_s=_percentile(jcts, 0.5),
+            p99_jct_s=_percentile(jcts, 0.99),
+            makespan_s=makespan,
+            gpu_utilization=self.busy_gpu_s / (gpus * makespan) if makespan else 0.0,
+            decision_latency_ms=Latency(
+                p50=_percentile(latencies, 0.5) or 0.0, p99=_percentile(latencies, 0.99) or 0.0, max=latencies[-1] if latencies else 0.0
+            ),
+            decisions=len(latencies),
+            unschedulable=unschedulable,
+            wall_s=time.perf_counter() - wall,
+        )
+
+
+def simulate(jobs: list[SimJob], cluster_spec: ClusterSpec, policy: Policy) -> SimulationResult:
+    wall = time.perf_counter()
+    replay = _Replay(jobs, cluster_spec, policy)
+    while replay.events:
+        now = replay.events[0][0]
+        if replay.drain(now) and replay.queue:
+            replay.decide(now)
+    return replay.result(wall)
 
 
 def start_run(start: Start, cluster: SimCluster, now: float) -> Run:

@@ -14,7 +14,8 @@ from frenzy_prefect.units import GIB
 
 
 def _gpu(
-    name: str, memory_mib: int, half_tflops: float, fp32_tflops: float, link_gbps: float, memory_gbps: float, achievable: float, bf16: bool = True
+    name: str, memory_mib: int, half_tflops: float, fp32_tflops: float, link_gbps: float, memory_gbps: float, achievable: float,
+    bf16: bool = True,
 ) -> GpuType:  # fmt: skip
     return GpuType(
         name=name,

@@ -80,9 +80,12 @@ class Groups:
     def build(cls, plan: ParallelPlan, rank: int) -> "Groups":
         stage, replica, tp_rank = plan.coordinates(rank)
         # Every rank creates every group, in the same order (torch.distributed requires it).
-        tp_groups = {(s, d): dist.new_group([plan.rank_of(s, d, t) for t in range(plan.tp)]) for s in range(plan.pp) for d in range(plan.dp)}
-        dp_groups = {(s, t): dist.new_group([plan.rank_of(s, d, t) for d in range(plan.dp)]) for s in range(plan.pp) for t in range(plan.tp)}
-        tied = {(d, t): dist.new_group([plan.rank_of(0, d, t), plan.rank_of(plan.pp - 1, d, t)]) for d in range(plan.dp) for t in range(plan.tp)} if plan.pp > 1 else {}
+        tp_groups = {(s, d): dist.new_group([plan.rank_of(s, d, t) for t in range(plan.tp)])
+                     for s in range(plan.pp) for d in range(plan.dp)}
+        dp_groups = {(s, t): dist.new_group([plan.rank_of(s, d, t) for d in range(plan.dp)])
+                     for s in range(plan.pp) for t in range(plan.tp)}
+        tied = {(d, t): dist.new_group([plan.rank_of(0, d, t), plan.rank_of(plan.pp - 1, d, t)])
+                for d in range(plan.dp) for t in range(plan.tp)} if plan.pp > 1 else {}
         return cls(
             tp=TensorParallel(rank=tp_rank, size=plan.tp, group=tp_groups[stage, replica]),
             dp=dp_groups[stage, tp_rank],

@@ -49,31 +49,14 @@ def train(job: TrainingJob, ctx: DistributedContext, log: Callable[[str], None] 
     started = time.perf_counter()
     ctx.init_process_group()
     try:
-        device = ctx.device
-        accumulation = plan.accumulation(request.global_batch)
         engine = Engine(
-            job.model, plan, precision=request.precision, optimizer=request.optimizer, accumulation=accumulation,
-            seed=request.seed, rank=ctx.rank, device=device, lr_factor=lambda s: lr_factor(s, request.steps, request.optimizer),
+            job.model, plan, precision=request.precision, optimizer=request.optimizer, accumulation=plan.accumulation(request.global_batch),
+            seed=request.seed, rank=ctx.rank, device=ctx.device, lr_factor=lambda s: lr_factor(s, request.steps, request.optimizer),
         )  # fmt: skip
         # Every rank's reads and rank 0's checkpoint go through `together`: a rank that cannot
         # reach storage fails the run with its reason, reported by rank 0.
         data = together(ctx, lambda: TokenWindows(job.dataset, request.seq_len))
-        generator = torch.Generator().manual_seed(request.seed * 1_000_003 + ctx.rank)
-        tokens_per_step = request.global_batch * request.seq_len
-
-        def next_batches() -> list[tuple[torch.Tensor, ...]]:
-            return [tuple(t.to(device) for t in data.batch(generator, plan.micro_batch)) for _ in range(accumulation)]
-
-        losses: list[float] = []
-        for step in range(1, request.steps + 1):
-            batches = together(ctx, next_batches)
-            step_loss = torch.tensor(engine.step(batches), device=device)
-            if ctx.world_size > 1:
-                dist.all_reduce(step_loss)
-            losses.append(step_loss.item() / ctx.world_size)
-            if step == 1 or step % request.log_every == 0 or step == request.steps:
-                rate = step * tokens_per_step / (time.perf_counter() - started)
-                log(f"step {step}/{request.steps} loss {losses[-1]:.4f} ({rate:,.0f} tokens/s over {ctx.world_size} ranks)")
+        losses = _run_steps(job, ctx, engine, data, started, log)
         data.close()
 
         elapsed = time.perf_counter() - started
@@ -84,28 +67,53 @@ def train(job: TrainingJob, ctx: DistributedContext, log: Callable[[str], None] 
             world_size=ctx.world_size,
             backend=ctx.backend,
             wall_s=elapsed,
-            tokens_per_s=request.steps * tokens_per_step / elapsed,
+            tokens_per_s=request.steps * request.global_batch * request.seq_len / elapsed,
         )
-
-        def save() -> None:
-            buffer = io.BytesIO()
-            torch.save(
-                {
-                    "model": engine.model.state_dict(),
-                    "optimizer": engine.optimizer.state_dict(),
-                    "scheduler": engine.schedule.state_dict(),
-                    "step": request.steps,
-                    "model_spec": job.model.model_dump(),
-                    "request": request.model_dump(mode="json"),
-                },
-                buffer,
-            )
-            write_bytes(job.checkpoint_uri, buffer.getvalue())
-            # metrics.json last: its presence means the checkpoint is complete.
-            write_bytes(job.metrics_uri, result.model_dump_json(indent=2).encode())
-            log(f"checkpoint written to {job.checkpoint_uri}")
-
-        together(ctx, save if ctx.rank == 0 else lambda: None)  # the other ranks wait for rank 0's write
+        # the other ranks wait for rank 0's write
+        together(ctx, (lambda: _save(job, engine, result, log)) if ctx.rank == 0 else lambda: None)
         return result
     finally:
         dist.destroy_process_group()
+
+
+def _run_steps(job: TrainingJob, ctx: DistributedContext, engine: Engine, data: TokenWindows, started: float,
+               log: Callable[[str], None]) -> list[float]:  # fmt: skip
+    """The training steps; returns each step's loss averaged over the ranks, logging some."""
+    request, plan, device = job.request, job.allocation.plan, ctx.device
+    accumulation = plan.accumulation(request.global_batch)
+    generator = torch.Generator().manual_seed(request.seed * 1_000_003 + ctx.rank)
+    tokens_per_step = request.global_batch * request.seq_len
+
+    def next_batches() -> list[tuple[torch.Tensor, ...]]:
+        return [tuple(t.to(device) for t in data.batch(generator, plan.micro_batch)) for _ in range(accumulation)]
+
+    losses: list[float] = []
+    for step in range(1, request.steps + 1):
+        batches = together(ctx, next_batches)
+        step_loss = torch.tensor(engine.step(batches), device=device)
+        if ctx.world_size > 1:
+            dist.all_reduce(step_loss)
+        losses.append(step_loss.item() / ctx.world_size)
+        if step == 1 or step % request.log_every == 0 or step == request.steps:
+            rate = step * tokens_per_step / (time.perf_counter() - started)
+            log(f"step {step}/{request.steps} loss {losses[-1]:.4f} ({rate:,.0f} tokens/s over {ctx.world_size} ranks)")
+    return losses
+
+
+def _save(job: TrainingJob, engine: Engine, result: TrainingResult, log: Callable[[str], None]) -> None:
+    """Rank 0's checkpoint, then metrics.json last: its presence means the checkpoint is complete."""
+    buffer = io.BytesIO()
+    torch.save(
+        {
+            "model": engine.model.state_dict(),
+            "optimizer": engine.optimizer.state_dict(),
+            "scheduler": engine.schedule.state_dict(),
+            "step": job.request.steps,
+            "model_spec": job.model.model_dump(),
+            "request": job.request.model_dump(mode="json"),
+        },
+        buffer,
+    )
+    write_bytes(job.checkpoint_uri, buffer.getvalue())
+    write_bytes(job.metrics_uri, result.model_dump_json(indent=2).encode())
+    log(f"checkpoint written to {job.checkpoint_uri}")

@@ -71,7 +71,8 @@ class Problem:
         fill = [sum(c.forward_s[:s]) + s * c.p2p_s for s in range(self.pp)]
         live = {s: sum(1 for w in self.hosted if w[1] == s) for s in range(self.pp)}
         tail = [c.allreduce_s(s, live[s]) + c.optimizer_s[s] for s in range(self.pp)]
-        work = max(fill[s] + len(mbs) * (c.forward_s[s] + c.backward_input_s[s] + c.backward_weight_s[s]) + tail[s] for (_, s), mbs in self.hosted.items())
+        work = max(fill[s] + len(mbs) * (c.forward_s[s] + c.backward_input_s[s] + c.backward_weight_s[s]) + tail[s]
+                   for (_, s), mbs in self.hosted.items())
         trip = sum(c.forward_s) + sum(c.backward_input_s) + 2 * (self.pp - 1) * c.p2p_s + c.backward_weight_s[0] + tail[0]
         return max(work, trip)
 

@@ -19,84 +19,117 @@ from frenzy_prefect.recycle.in_flight import MemoryBound
 from frenzy_prefect.recycle.planners.base import Plan, Problem
 from frenzy_prefect.recycle.schedule import ComputeItem, Schedule, assemble
 from frenzy_prefect.recycle.failures import Worker
-from frenzy_prefect.recycle.timeline import Timeline, run_timeline
+from frenzy_prefect.recycle.timeline import Timeline, compute_needs, run_timeline
+
+
+Ready = dict[tuple[int, int], float]  # (pipeline, micro) -> when its inputs are there
+
+
+class _Lists:
+    """A list-scheduling run's per-worker state: the ready work and what is in flight, and the
+    inputs that have arrived for work still missing some."""
+
+    def __init__(self, problem: Problem) -> None:
+        workers = problem.hosted
+        self.problem = problem
+        self.consumers = _consumers(problem.pp)
+        self.f_ready: dict[Worker, Ready] = {w: {} for w in workers}
+        self.b_ready: dict[Worker, Ready] = {w: {} for w in workers}
+        self.w_pending: dict[Worker, list[tuple[int, int]]] = {w: [] for w in workers}  # B done, W not: oldest first
+        self.held: dict[Worker, int] = dict.fromkeys(workers, 0)  # micro-batches in flight (F run, W not)
+        self.arrived: dict[tuple[Worker, str, int, int], list[float]] = {}
+        for w, mbs in workers.items():
+            if not compute_needs("F", w[1], problem.pp):  # the first stage: its inputs are there from the start
+                self.f_ready[w].update({mb: 0.0 for mb in mbs})
+
+    def hand_on(self, w: Worker, kind: str, q: int, j: int, end: float) -> list[tuple[float, Worker]]:
+        """Pass a compute that ends at ``end`` on to the computes that need it (by the timeline's
+        rules; ``p2p_s`` later at another stage); returns the other workers to wake, and when."""
+        s, pp = w[1], self.problem.pp
+        if kind == "F":
+            self.held[w] += 1
+        elif kind == "W":
+            self.held[w] -= 1
+        wake = []
+        for need_kind, need_stage in self.consumers.get((kind, s), ()):
+            target = w if need_stage == s else (self.problem.runs_on(q, j, need_stage), need_stage)
+            got = self.arrived.setdefault((target, need_kind, q, j), [])
+            got.append(end if target == w else end + self.problem.costs.p2p_s)
+            if len(got) < len(compute_needs(need_kind, need_stage, pp)):
+                continue
+            t = max(got)
+            del self.arrived[(target, need_kind, q, j)]
+            if need_kind == "W":
+                self.w_pending[target].append((q, j))
+            else:
+                (self.f_ready if need_kind == "F" else self.b_ready)[target][(q, j)] = t
+            if target != w:
+                wake.append((t, target))
+        return wake
+
+    def pick(self, w: Worker, now: float, cap: int, eager_w: bool) -> ComputeItem | None:
+        """The most urgent ready work of a free worker: (an eager W,) a B, an F within the cap, a deferred W."""
+        if eager_w and self.w_pending[w]:
+            return ("W", *self.w_pending[w].pop(0))
+        mb = _earliest(self.b_ready[w], now)
+        if mb is not None:
+            del self.b_ready[w][mb]
+            return ("B", *mb)
+        if self.held[w] < cap:
+            mb = _earliest(self.f_ready[w], now)
+            if mb is not None:
+                del self.f_ready[w][mb]
+                return ("F", *mb)
+        if self.w_pending[w]:
+            return ("W", *self.w_pending[w].pop(0))
+        return None
+
+
+def _consumers(pp: int) -> dict[tuple[str, int], list[tuple[str, int]]]:
+    """Per compute (kind, stage), the computes of the same micro-batch waiting for it: the
+    timeline's dependency rules (``compute_needs``), inverted."""
+    out: dict[tuple[str, int], list[tuple[str, int]]] = {}
+    for s in range(pp):
+        for kind in ("F", "B", "W"):
+            for need in compute_needs(kind, s, pp):
+                out.setdefault(need, []).append((kind, s))
+    return out
+
+
+def _earliest(ready: Ready, now: float) -> tuple[int, int] | None:
+    """The ready micro-batch of lowest index (then pipeline): re-routed ones travel with their wave."""
+    best = None
+    for mb, t in ready.items():
+        if t <= now and (best is None or (mb[1], mb[0]) < (best[1], best[0])):
+            best = mb
+    return best
 
 
 def list_schedule(problem: Problem, caps: dict[Worker, int], eager_w: bool) -> dict[Worker, list[ComputeItem]]:
-    """Each live worker's F/B/W order, from one greedy simulation."""
-    pp, costs, p2p = problem.pp, problem.costs, problem.costs.p2p_s
-    f_ready: dict[Worker, dict[tuple[int, int], float]] = {w: {} for w in problem.hosted}
-    b_ready: dict[Worker, dict[tuple[int, int], float]] = {w: {} for w in problem.hosted}
-    w_pending: dict[Worker, list[tuple[int, int]]] = {w: [] for w in problem.hosted}
-    held = dict.fromkeys(problem.hosted, 0)
+    """Each live worker's F/B/W order, from one greedy simulation: an event per worker becoming
+    free or an input arriving; a free worker runs the most urgent ready work (``_Lists.pick``)."""
+    lists = _Lists(problem)
     free = dict.fromkeys(problem.hosted, 0.0)
     order: dict[Worker, list[ComputeItem]] = {w: [] for w in problem.hosted}
     remaining = {w: 3 * len(mbs) for w, mbs in problem.hosted.items()}
-    events: list[tuple[float, int, Worker]] = []
-    seq = 0
-    for w, mbs in problem.hosted.items():
-        if w[1] == 0:
-            f_ready[w] = {mb: 0.0 for mb in mbs}
-        events.append((0.0, seq, w))
-        seq += 1
+    events = [(0.0, seq, w) for seq, w in enumerate(problem.hosted)]
+    seq = len(events) - 1
     heapq.heapify(events)
-
-    def wake(t: float, w: Worker) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(events, (t, seq, w))
-
-    def earliest(ready: dict[tuple[int, int], float], now: float) -> tuple[int, int] | None:
-        best = None
-        for mb, t in ready.items():
-            if t <= now and (best is None or (mb[1], mb[0]) < (best[1], best[0])):
-                best = mb
-        return best
-
     while events:
         now, _, w = heapq.heappop(events)
         if free[w] > now or remaining[w] == 0:
             continue
-        s = w[1]
-        choice: ComputeItem | None = None
-        if eager_w and w_pending[w]:
-            choice = ("W", *w_pending[w].pop(0))
-        if choice is None:
-            mb = earliest(b_ready[w], now)
-            if mb is not None:
-                del b_ready[w][mb]
-                choice = ("B", *mb)
-        if choice is None and held[w] < caps[w]:
-            mb = earliest(f_ready[w], now)
-            if mb is not None:
-                del f_ready[w][mb]
-                choice = ("F", *mb)
-        if choice is None and w_pending[w]:
-            choice = ("W", *w_pending[w].pop(0))
+        choice = lists.pick(w, now, caps[w], eager_w)
         if choice is None:
             continue  # an arrival wakes it
         kind, q, j = choice
-        end = now + costs.compute_s(kind, s)
+        end = now + problem.costs.compute_s(kind, w[1])
         order[w].append(choice)
         remaining[w] -= 1
         free[w] = end
-        wake(end, w)
-        if kind == "F":
-            held[w] += 1
-            if s < pp - 1:
-                nxt = (problem.runs_on(q, j, s + 1), s + 1)
-                f_ready[nxt][(q, j)] = end + p2p
-                wake(end + p2p, nxt)
-            else:
-                b_ready[w][(q, j)] = end
-        elif kind == "B":
-            w_pending[w].append((q, j))
-            if s > 0:
-                prev = (problem.runs_on(q, j, s - 1), s - 1)
-                b_ready[prev][(q, j)] = end + p2p
-                wake(end + p2p, prev)
-        else:
-            held[w] -= 1
+        for t, target in [(end, w), *lists.hand_on(w, kind, q, j, end)]:
+            seq += 1
+            heapq.heappush(events, (t, seq, target))
     stuck = [w for w, n in remaining.items() if n]
     if stuck:  # cannot happen with caps >= 1 (the last stage always frees its held micro-batches)
         raise RuntimeError(f"list scheduling stalled on {stuck[:4]}")

@@ -89,15 +89,19 @@ class Solved(NamedTuple):
     lower_bound_s: float  # HiGHS's bound on the makespan for this F/B order
 
 
-def solve(problem: Problem, fb_orders: dict[Worker, list[ComputeItem]], time_limit_s: float, cutoff_s: float = np.inf) -> Solved | None:
-    """The MILP over ``fb_orders``; None when it is infeasible (a memory bound the order cannot
-    meet). ``cutoff_s``: the makespan of a known schedule; an LP bound that reaches it ends the solve.
-    ``time_limit_s``: the LP relaxation and the branch and bound together."""
-    costs, pp = problem.costs, problem.pp
-    unit = max(costs.forward_s) or 1.0
-    dur = {k: [x / unit for x in getattr(costs, f)] for k, f in (("F", "forward_s"), ("B", "backward_input_s"), ("W", "backward_weight_s"))}
-    p2p = costs.p2p_s / unit
-    inf = np.inf
+class _Columns(NamedTuple):
+    """The MILP's variables, by column: each F/B's start time, per F/B the number of W's run right
+    after it (integer), each worker's finish, each stage's all-reduce start, the makespan."""
+
+    t_of: dict[tuple[str, int, int, int], int]  # (kind, q, j, stage) -> start-time column
+    n_of: dict[Worker, list[int]]  # per worker, per F/B of its order: the W-count column
+    finish: dict[Worker, int]
+    allreduce: dict[int, int]
+    makespan: int
+    count: int
+
+
+def _columns(fb_orders: dict[Worker, list[ComputeItem]], pp: int) -> _Columns:
     col = 0
     t_of: dict[tuple[str, int, int, int], int] = {}
     n_of: dict[Worker, list[int]] = {}
@@ -111,9 +115,16 @@ def solve(problem: Problem, fb_orders: dict[Worker, list[ComputeItem]], time_lim
     col += len(fb_orders)
     allreduce = {s: col + s for s in range(pp)}
     col += pp
-    makespan = col
-    col += 1
+    return _Columns(t_of, n_of, finish, allreduce, col, col + 1)
 
+
+def _rows(problem: Problem, fb_orders: dict[Worker, list[ComputeItem]], cols: _Columns, unit: float) -> _Rows | None:
+    """The constraints, in units of ``unit`` seconds; None when a memory bound cannot be met by this order."""
+    costs, pp = problem.costs, problem.pp
+    dur = {k: [x / unit for x in getattr(costs, f)] for k, f in (("F", "forward_s"), ("B", "backward_input_s"), ("W", "backward_weight_s"))}
+    p2p = costs.p2p_s / unit
+    inf = np.inf
+    t_of, n_of, finish, allreduce = cols.t_of, cols.n_of, cols.finish, cols.allreduce
     rows = _Rows()
     for w, items in fb_orders.items():
         s, ns = w[1], n_of[w]
@@ -144,21 +155,49 @@ def solve(problem: Problem, fb_orders: dict[Worker, list[ComputeItem]], time_lim
     for s in range(pp):
         live = sum(1 for w in fb_orders if w[1] == s)
         tail = (costs.allreduce_s(s, live) + costs.optimizer_s[s]) / unit
-        rows.add([(makespan, 1.0), (allreduce[s], -1.0)], tail, inf)
+        rows.add([(cols.makespan, 1.0), (allreduce[s], -1.0)], tail, inf)
+    return rows
 
+
+def _orders(fb_orders: dict[Worker, list[ComputeItem]], n_of: dict[Worker, list[int]], x) -> dict[Worker, list[ComputeItem]]:
+    """The solution as F/B/W orders: after each F/B its W-count of W's, oldest B's first."""
+    counts = {w: [int(round(x[i])) for i in ns] for w, ns in n_of.items()}
+    orders: dict[Worker, list[ComputeItem]] = {}
+    for w, items in fb_orders.items():
+        fifo: deque[tuple[int, int]] = deque()
+        out: list[ComputeItem] = []
+        for (kind, q, j), n in zip(items, counts[w], strict=True):
+            out.append((kind, q, j))
+            if kind == "B":
+                fifo.append((q, j))
+            out += [("W", *fifo.popleft()) for _ in range(n)]
+        orders[w] = out
+    return orders
+
+
+def solve(problem: Problem, fb_orders: dict[Worker, list[ComputeItem]], time_limit_s: float, cutoff_s: float = np.inf) -> Solved | None:
+    """The MILP over ``fb_orders``; None when it is infeasible (a memory bound the order cannot
+    meet). ``cutoff_s``: the makespan of a known schedule; an LP bound that reaches it ends the solve.
+    ``time_limit_s``: the LP relaxation and the branch and bound together."""
+    unit = max(problem.costs.forward_s) or 1.0
+    cols = _columns(fb_orders, problem.pp)
+    rows = _rows(problem, fb_orders, cols, unit)
+    if rows is None:
+        return None
+    col = cols.count
     objective = np.zeros(col)
-    objective[makespan] = 1.0
+    objective[cols.makespan] = 1.0
     constraints, deadline = rows.constraint(col), time.perf_counter() + time_limit_s
     # The LP relaxation first: when its bound already reaches the cutoff (the seed's makespan), the
     # seed is optimal for this order and the branch and bound, which can take long merely to find
     # an integer point that good, is skipped.
-    relaxed = milp(objective, constraints=constraints, bounds=Bounds(0, inf), options={"time_limit": time_limit_s, "disp": False})
+    relaxed = milp(objective, constraints=constraints, bounds=Bounds(0, np.inf), options={"time_limit": time_limit_s, "disp": False})
     if relaxed.status == 2:  # infeasible
         return None
     if relaxed.x is not None and relaxed.fun * unit >= cutoff_s * (1 - 1e-9):
         return Solved(None, True, relaxed.fun * unit)
     integrality = np.zeros(col)
-    for ns in n_of.values():
+    for ns in cols.n_of.values():
         integrality[ns] = 1
     highs_limit = max(0.05, SOLVER_SHARE * (deadline - time.perf_counter()))
     options = {"time_limit": highs_limit, "disp": DISP, "mip_rel_gap": MIP_REL_GAP}
@@ -170,18 +209,7 @@ def solve(problem: Problem, fb_orders: dict[Worker, list[ComputeItem]], time_lim
     bound = max(bounds, default=0.0) * unit
     if result is None or result["x"] is None:
         return Solved(None, False, bound)
-    counts = {w: [int(round(result["x"][i])) for i in ns] for w, ns in n_of.items()}
-    orders: dict[Worker, list[ComputeItem]] = {}
-    for w, items in fb_orders.items():
-        fifo: deque[tuple[int, int]] = deque()
-        out: list[ComputeItem] = []
-        for (kind, q, j), n in zip(items, counts[w], strict=True):
-            out.append((kind, q, j))
-            if kind == "B":
-                fifo.append((q, j))
-            out += [("W", *fifo.popleft()) for _ in range(n)]
-        orders[w] = out
-    return Solved(orders, result["status"] == 0, bound)
+    return Solved(_orders(fb_orders, cols.n_of, result["x"]), result["status"] == 0, bound)
 
 
 def plan(dp: int, pp: int, microbatches: int, failures_per_stage, costs: StageCosts, memory_bound: MemoryBound = None,

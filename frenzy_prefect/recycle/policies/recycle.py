@@ -38,7 +38,8 @@ class ReCycle:
                 return Decision("reconfigure", view.model.rerouted_s(f), grid, pause_s=knobs.reconfigure_s,
                                 keep_in_flight=False, restore_state=True, note=f"back to the original grid, failures per stage {f}")
             self.layout = reform(view, heterogeneous=False)
-            return from_layout("reconfigure", self.layout, pause_s=knobs.reconfigure_s, rollback=False, note="re-formed grid follows the nodes")
+            return from_layout("reconfigure", self.layout, pause_s=knobs.reconfigure_s, rollback=False,
+                               note="re-formed grid follows the nodes")
         lost = m.lost_stages()
         if lost:
             return self._restart(view, f"stage(s) {lost} lost every replica")
