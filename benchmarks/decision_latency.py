@@ -91,7 +91,9 @@ def main() -> None:
             row["ilp_over_frenzy_p50"] = row["ilp"]["p50_ms"] / row["frenzy"]["p50_ms"]
             rows.append(row)
             f, i = row["frenzy"], row["ilp"]
-            print(f"{row['gpus']:>6}{queue_length:>7}{f['p50_ms']:>15.3f}{f['p99_ms']:>9.3f}{i['p50_ms']:>12.3f}{i['p99_ms']:>9.3f}{row['ilp_over_frenzy_p50']:>15.1f}x")
+            print(
+                f"{row['gpus']:>6}{queue_length:>7}{f['p50_ms']:>15.3f}{f['p99_ms']:>9.3f}{i['p50_ms']:>12.3f}{i['p99_ms']:>9.3f}{row['ilp_over_frenzy_p50']:>15.1f}x"
+            )
     write_result({"occupancy": OCCUPANCY, "repeat": args.repeat, "snapshots": args.snapshots, "rows": rows}, args.json)
 
 

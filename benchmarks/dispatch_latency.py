@@ -69,8 +69,9 @@ def main() -> None:
             dataset = profile_dataset(DATASET, request.seq_len, model.vocab_size)
 
             def submit(k: int):
-                job = TrainingJob(request=request, model=model, dataset=dataset, allocation=allocation, cluster=cluster,
-                                  output=f"s3://{BUCKET}/runs/{k}")
+                job = TrainingJob(
+                    request=request, model=model, dataset=dataset, allocation=allocation, cluster=cluster, output=f"s3://{BUCKET}/runs/{k}"
+                )
                 return run_deployment("distributed-train/frenzy", parameters={"job": job.model_dump(mode="json")}, timeout=0)
 
             def finish(ids, timeout_s=900.0) -> list:
@@ -107,14 +108,24 @@ def main() -> None:
         "completed": ok,
         "runs": len(sequential) + len(queued),
         "warm_dispatch_s": {"p50": statistics.median(lat), "p99": p99(lat), "samples": lat},
-        "queued": {"runs": len(queued), "gpus": 4, "wall_s": wall, "runs_per_min": 60 * len(queued) / wall,
-                   "dispatch_s_p50": statistics.median(waits), "dispatch_s_max": waits[-1]},
+        "queued": {
+            "runs": len(queued),
+            "gpus": 4,
+            "wall_s": wall,
+            "runs_per_min": 60 * len(queued) / wall,
+            "dispatch_s_p50": statistics.median(waits),
+            "dispatch_s_max": waits[-1],
+        },
     }
     print(f"completed {ok}/{result['runs']}")
-    print(f"warm dispatch (scheduled -> processes started): p50 {result['warm_dispatch_s']['p50']:.2f} s,"
-          f" p99 {result['warm_dispatch_s']['p99']:.2f} s over {len(lat)} runs")
-    print(f"{len(queued)} queued runs on 4 GPUs: all done in {wall:.1f} s, {result['queued']['runs_per_min']:.1f} runs/min,"
-          f" dispatch p50 {result['queued']['dispatch_s_p50']:.1f} s, max {waits[-1]:.1f} s")
+    print(
+        f"warm dispatch (scheduled -> processes started): p50 {result['warm_dispatch_s']['p50']:.2f} s,"
+        f" p99 {result['warm_dispatch_s']['p99']:.2f} s over {len(lat)} runs"
+    )
+    print(
+        f"{len(queued)} queued runs on 4 GPUs: all done in {wall:.1f} s, {result['queued']['runs_per_min']:.1f} runs/min,"
+        f" dispatch p50 {result['queued']['dispatch_s_p50']:.1f} s, max {waits[-1]:.1f} s"
+    )
     write_result(result, args.json)
 
 

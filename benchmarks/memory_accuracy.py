@@ -28,7 +28,14 @@ from frenzy_prefect.training.measure import Workload, measure
 NANO = PRESETS["gpt-nano"]  # 4 layers, hidden 128, 4 heads, vocab 256, tied
 MICRO = PRESETS["gpt-micro"]  # 6 layers, hidden 256, 8 heads, vocab 256, tied
 WIDE = ModelSpec(  # untied, a larger vocabulary padded to a multiple of 128, an MLP narrower than 4h
-    name="wide-untied", layers=2, hidden=192, heads=6, vocab_size=2000, vocab_multiple=128, max_seq_len=128, ffn_hidden=512,
+    name="wide-untied",
+    layers=2,
+    hidden=192,
+    heads=6,
+    vocab_size=2000,
+    vocab_multiple=128,
+    max_seq_len=128,
+    ffn_hidden=512,
     tied_embeddings=False,
 )
 
@@ -76,9 +83,13 @@ def run_one(model: ModelSpec, plan: ParallelPlan, precision: str, global_batch: 
     wall = time.perf_counter() - started
     measured = max(r.breakdown.total for r in ranks)
     predicted = estimate(
-        model, plan, global_batch=global_batch, seq_len=seq_len, precision=precision,
+        model,
+        plan,
+        global_batch=global_batch,
+        seq_len=seq_len,
+        precision=precision,
         optimizer_bytes_per_param=settings.state_bytes_per_parameter,
-    ).peak_bytes  # fmt: skip
+    ).peak_bytes
     micro_batches = plan.accumulation(global_batch)
     megatron = memory_baselines.megatron(model, plan, seq_len=seq_len, precision=precision, micro_batches=micro_batches)
     deepspeed = memory_baselines.deepspeed(model, plan)

@@ -55,8 +55,10 @@ def main() -> None:
     args = parser.parse_args()
 
     rows = []
-    print(f"{'dp x pp':>8} {'failures':<17}{'bound':>6}{'heuristic':>10}{'milp':>8}{'lower bd':>9}{'steady':>8}"
-          f"{'h/milp':>8}{'h ms':>8}{'milp s':>8}  status")
+    print(
+        f"{'dp x pp':>8} {'failures':<17}{'bound':>6}{'heuristic':>10}{'milp':>8}{'lower bd':>9}{'steady':>8}"
+        f"{'h/milp':>8}{'h ms':>8}{'milp s':>8}  status"
+    )
     for dp, pp in SHAPES:
         costs = costs_from_fault_free_step(1.0, dp, pp, MICROBATCHES)
         fault_free_period = steady_state_period_s(one_f_one_b(dp, pp, MICROBATCHES), costs)
@@ -108,8 +110,10 @@ def main() -> None:
         samples.append((time.perf_counter() - t) * 1e6)
     samples.sort()
     lookup = {"p50_us": statistics.median(samples), "p99_us": samples[int(0.99 * len(samples))], "max_us": samples[-1]}
-    print(f"cache {dp} x {pp}, up to 1 failure: {len(cache)} plans built in {build_s:.2f} s;"
-          f" lookup p50 {lookup['p50_us']:.1f} us, p99 {lookup['p99_us']:.1f} us")
+    print(
+        f"cache {dp} x {pp}, up to 1 failure: {len(cache)} plans built in {build_s:.2f} s;"
+        f" lookup p50 {lookup['p50_us']:.1f} us, p99 {lookup['p99_us']:.1f} us"
+    )
 
     planned = [r for r in rows if "key" in r]
     one = [r for r in planned if r["pattern"].startswith("1 ")]
@@ -119,7 +123,8 @@ def main() -> None:
             f"{dp}x{pp} bound={bound}": min(
                 r["milp_relative_throughput"] for r in one if (r["dp"], r["pp"], r["memory_bound"]) == (dp, pp, bound)
             )
-            for dp, pp in SHAPES for bound in (None, pp)
+            for dp, pp in SHAPES
+            for bound in (None, pp)
         },
         "one_failure_min_lower_bound_relative_throughput": {
             f"{dp}x{pp}": min(r["lower_bound_relative_throughput"] for r in one if (r["dp"], r["pp"]) == (dp, pp)) for dp, pp in SHAPES
@@ -128,15 +133,20 @@ def main() -> None:
         "heuristic_max_over_milp": max(r["heuristic_over_milp_iteration"] for r in planned),
     }
     worst = {k: f"{v:.1%}" for k, v in targets["one_failure_min_relative_throughput"].items()}
-    print(f"targets: one failure >= 90% of fault-free: {worst}; "
-          f"MILP <= 10 s per key at 8 stages: max {targets['milp_max_wall_s_8_stages']:.2f} s; "
-          f"heuristic within 5% of MILP: worst {targets['heuristic_max_over_milp'] - 1:+.2%}")  # fmt: skip
+    print(
+        f"targets: one failure >= 90% of fault-free: {worst}; "
+        f"MILP <= 10 s per key at 8 stages: max {targets['milp_max_wall_s_8_stages']:.2f} s; "
+        f"heuristic within 5% of MILP: worst {targets['heuristic_max_over_milp'] - 1:+.2%}"
+    )
     write_result(
-        {"costs": "from_fault_free_step(1.0, dp, pp, 32) defaults", "rows": rows,
-         "cache": {"dp": dp, "pp": pp, "max_failures": 1, "plans": len(cache), "build_s": build_s, "lookups": args.lookups, **lookup},
-         "targets": targets},
+        {
+            "costs": "from_fault_free_step(1.0, dp, pp, 32) defaults",
+            "rows": rows,
+            "cache": {"dp": dp, "pp": pp, "max_failures": 1, "plans": len(cache), "build_s": build_s, "lookups": args.lookups, **lookup},
+            "targets": targets,
+        },
         args.json,
-    )  # fmt: skip
+    )
 
 
 if __name__ == "__main__":

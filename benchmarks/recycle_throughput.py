@@ -21,7 +21,14 @@ from functools import cache
 from pathlib import Path
 
 from benchmarks import write_result
-from frenzy_prefect.recycle.iteration import DEFAULT_GPU, DEFAULT_MODEL, balanced_reroute_bound, bubble_filling_bound, from_preset, planned_reroute
+from frenzy_prefect.recycle.iteration import (
+    DEFAULT_GPU,
+    DEFAULT_MODEL,
+    balanced_reroute_bound,
+    bubble_filling_bound,
+    from_preset,
+    planned_reroute,
+)
 from frenzy_prefect.recycle.knobs import Knobs
 from frenzy_prefect.recycle.policies import POLICIES, make_policy
 from frenzy_prefect.recycle.replay import simulate
@@ -60,15 +67,20 @@ def one(dp: int, pp: int, trace_name: str, runs: list[FailureTrace], policy: str
     results = []
     for trace in runs:
         horizon = None if trace_name in ("p3", "g4dn") else HORIZON_S
-        results.append(simulate(model, trace, make_policy(policy), samples_per_iteration=dp * MICROBATCHES, knobs=Knobs(),
-                                horizon_s=horizon))
+        results.append(
+            simulate(model, trace, make_policy(policy), samples_per_iteration=dp * MICROBATCHES, knobs=Knobs(), horizon_s=horizon)
+        )
     counts: dict[str, float] = {}
     for r in results:
         for kind, n in r.counts.items():
             if kind != "start":
                 counts[kind] = counts.get(kind, 0) + n / len(results)
     return {
-        "grid": f"{dp}x{pp}", "trace": trace_name, "policy": policy, "reroute": reroute, "runs": len(results),
+        "grid": f"{dp}x{pp}",
+        "trace": trace_name,
+        "policy": policy,
+        "reroute": reroute,
+        "runs": len(results),
         "ratio": statistics.mean(r.ratio for r in results),
         "throughput": statistics.mean(r.throughput for r in results),
         "fault_free_throughput": results[0].fault_free_throughput,
@@ -99,28 +111,62 @@ def main() -> None:
     for r in rows:
         label = r["policy"] + ("" if r["reroute"] == args.reroute else f" ({r['reroute'][:4]})")
         events = ", ".join(f"{k} {v:g}" for k, v in r["events"].items())
-        print(f"{r['grid']:<6}{r['trace']:<11}{label:<24}{r['ratio']:>7.3f}{r['throughput']:>11.1f}"
-              f"{r['downtime_s'] / 3600:>11.2f}{r['stalled_s'] / 3600:>10.2f}{r['stage_wipeouts']:>9.1f}  {events}")
+        print(
+            f"{r['grid']:<6}{r['trace']:<11}{label:<24}{r['ratio']:>7.3f}{r['throughput']:>11.1f}"
+            f"{r['downtime_s'] / 3600:>11.2f}{r['stalled_s'] / 3600:>10.2f}{r['stage_wipeouts']:>9.1f}  {events}"
+        )
 
     ratio = {(r["grid"], r["trace"], r["policy"], r["reroute"]): r["ratio"] for r in rows}
     targets = []
     for grid in (f"{dp}x{pp}" for dp, pp in GRIDS):
         for reroute in (args.reroute, *others):
             recycle = ratio[(grid, "transient", "recycle", reroute)]
-            targets.append({"grid": grid, "reroute": reroute, "target": "recycle >= 1.3x drop_pipeline (transient)",
-                            "value": recycle / ratio[(grid, "transient", "drop_pipeline", args.reroute)], "threshold": 1.3})
-            targets.append({"grid": grid, "reroute": reroute, "target": "recycle >= 1.1x oobleck (transient)",
-                            "value": recycle / ratio[(grid, "transient", "oobleck", args.reroute)], "threshold": 1.1})
-            targets.append({"grid": grid, "reroute": reroute, "target": "adaptive >= oobleck (shrink)",
-                            "value": ratio[(grid, "shrink", "adaptive", reroute)] / ratio[(grid, "shrink", "oobleck", args.reroute)],
-                            "threshold": 1.0})
+            targets.append(
+                {
+                    "grid": grid,
+                    "reroute": reroute,
+                    "target": "recycle >= 1.3x drop_pipeline (transient)",
+                    "value": recycle / ratio[(grid, "transient", "drop_pipeline", args.reroute)],
+                    "threshold": 1.3,
+                }
+            )
+            targets.append(
+                {
+                    "grid": grid,
+                    "reroute": reroute,
+                    "target": "recycle >= 1.1x oobleck (transient)",
+                    "value": recycle / ratio[(grid, "transient", "oobleck", args.reroute)],
+                    "threshold": 1.1,
+                }
+            )
+            targets.append(
+                {
+                    "grid": grid,
+                    "reroute": reroute,
+                    "target": "adaptive >= oobleck (shrink)",
+                    "value": ratio[(grid, "shrink", "adaptive", reroute)] / ratio[(grid, "shrink", "oobleck", args.reroute)],
+                    "threshold": 1.0,
+                }
+            )
     print()
     for t in targets:
         verdict = "met" if t["value"] >= t["threshold"] - 1e-9 else "NOT met"
         print(f"{t['grid']:<6}{t['reroute']:<13}{t['target']:<45}{t['value']:>6.2f}x  {verdict}")
         t["met"] = verdict == "met"
-    write_result({"model": DEFAULT_MODEL, "gpu": DEFAULT_GPU, "microbatches": MICROBATCHES, "horizon_s_synthetic": HORIZON_S,
-                  "seeds": args.seeds, "reroute": args.reroute, "knobs": Knobs().model_dump(), "rows": rows, "targets": targets}, args.json)
+    write_result(
+        {
+            "model": DEFAULT_MODEL,
+            "gpu": DEFAULT_GPU,
+            "microbatches": MICROBATCHES,
+            "horizon_s_synthetic": HORIZON_S,
+            "seeds": args.seeds,
+            "reroute": args.reroute,
+            "knobs": Knobs().model_dump(),
+            "rows": rows,
+            "targets": targets,
+        },
+        args.json,
+    )
 
 
 if __name__ == "__main__":

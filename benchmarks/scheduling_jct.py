@@ -50,8 +50,10 @@ def main() -> None:
             print("done:", *futures[future], f"{future.result()['wall_s']:.1f} s", flush=True)
         rows = [f.result() for f in futures]
     frenzy = {(r["cluster"], r["trace"]): r["avg_jct_s"] for r in rows if r["policy"] == "frenzy"}
-    print(f"{'cluster':<15}{'trace':<10}{'policy':<13}{'done':>12}{'oom':>7}{'avg h':>9}{'p50 h':>8}{'p99 h':>9}"
-          f"{'makespan h':>11}{'util':>7}{'vs frenzy':>10}{'wall s':>8}")
+    print(
+        f"{'cluster':<15}{'trace':<10}{'policy':<13}{'done':>12}{'oom':>7}{'avg h':>9}{'p50 h':>8}{'p99 h':>9}"
+        f"{'makespan h':>11}{'util':>7}{'vs frenzy':>10}{'wall s':>8}"
+    )
     for r in rows:
         base = frenzy.get((r["cluster"], r["trace"]))
         r["avg_jct_vs_frenzy"] = r["avg_jct_s"] / base if base and r["avg_jct_s"] else None

@@ -35,8 +35,17 @@ def main() -> None:
         loaded = time.perf_counter() - started
         result = simulate(jobs, spec, make_policy(name))
         total = time.perf_counter() - started
-        rows.append({"policy": name, "trace": args.trace, "gpus": result.cluster_gpus, "jobs": len(jobs), "decisions": result.decisions,
-                     "load_s": loaded, "total_s": total})
+        rows.append(
+            {
+                "policy": name,
+                "trace": args.trace,
+                "gpus": result.cluster_gpus,
+                "jobs": len(jobs),
+                "decisions": result.decisions,
+                "load_s": loaded,
+                "total_s": total,
+            }
+        )
         print(f"{name:<14}{len(jobs):>7}{result.decisions:>11}{loaded:>8.2f}{total:>10.2f}{len(jobs) / total:>9.0f}")
     write_result({"rows": rows}, args.json)
 

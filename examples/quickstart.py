@@ -24,12 +24,52 @@ BUCKET = "frenzy-demo"
 DATASET = f"s3://{BUCKET}/datasets/stdlib-docs.txt"
 # Real English prose that ships with every Python: the standard library's own documentation.
 CORPUS_MODULES = (
-    "argparse", "asyncio", "base64", "bisect", "calendar", "collections", "contextlib", "csv", "dataclasses",
-    "datetime", "decimal", "difflib", "email", "enum", "fractions", "functools", "heapq", "html", "http.client",
-    "inspect", "ipaddress", "itertools", "json", "logging", "mailbox", "math", "os", "pathlib", "pickle",
-    "random", "re", "shutil", "socket", "sqlite3", "statistics", "string", "subprocess", "tarfile", "textwrap",
-    "threading", "typing", "unittest", "urllib.parse", "uuid", "zipfile",
-)  # fmt: skip
+    "argparse",
+    "asyncio",
+    "base64",
+    "bisect",
+    "calendar",
+    "collections",
+    "contextlib",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "difflib",
+    "email",
+    "enum",
+    "fractions",
+    "functools",
+    "heapq",
+    "html",
+    "http.client",
+    "inspect",
+    "ipaddress",
+    "itertools",
+    "json",
+    "logging",
+    "mailbox",
+    "math",
+    "os",
+    "pathlib",
+    "pickle",
+    "random",
+    "re",
+    "shutil",
+    "socket",
+    "sqlite3",
+    "statistics",
+    "string",
+    "subprocess",
+    "tarfile",
+    "textwrap",
+    "threading",
+    "typing",
+    "unittest",
+    "urllib.parse",
+    "uuid",
+    "zipfile",
+)
 
 
 def corpus() -> bytes:
@@ -85,11 +125,17 @@ def main() -> int:
             print("Worker:         `frenzy` work pool 'frenzy', deployments train-llm/frenzy and distributed-train/frenzy")
 
             request = TrainingRequest(
-                model="gpt-nano", dataset=DATASET, global_batch=32, seq_len=128, steps=args.steps,
-                precision="fp32", log_every=10,
-            )  # fmt: skip
-            print(f"Running train-llm: {request.model}, global batch {request.global_batch}, seq {request.seq_len},"
-                  f" {request.steps} steps ...")
+                model="gpt-nano",
+                dataset=DATASET,
+                global_batch=32,
+                seq_len=128,
+                steps=args.steps,
+                precision="fp32",
+                log_every=10,
+            )
+            print(
+                f"Running train-llm: {request.model}, global batch {request.global_batch}, seq {request.seq_len}, {request.steps} steps ..."
+            )
             run = run_deployment(
                 "train-llm/frenzy",
                 parameters={"request": request.model_dump(mode="json"), "cluster": "local-hetero"},

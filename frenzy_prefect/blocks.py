@@ -16,14 +16,12 @@ class FrenzyCluster(Block):
 
     _block_type_name: ClassVar[str] = "Frenzy Cluster"
     _block_type_slug: ClassVar[str] = "frenzy-cluster"
-    _description: ClassVar[str] = (
-        "A GPU cluster inventory for frenzy-prefect: nodes with their host, GPU type, GPU count and memory."
-    )
+    _description: ClassVar[str] = "A GPU cluster inventory for frenzy-prefect: nodes with their host, GPU type, GPU count and memory."
 
     cluster: ClusterSpec = Field(description="Nodes, extra GPU types and the network between nodes.")
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "FrenzyCluster":
+    def from_file(cls, path: str | Path) -> FrenzyCluster:
         return cls(cluster=ClusterSpec.from_file(path))
 
 

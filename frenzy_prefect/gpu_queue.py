@@ -68,8 +68,9 @@ class GpuQueue:
         """The job placed on GPUs taken for it, once its turn comes; None if the run is
         cancelled while it waits (nothing is taken then)."""
         waiter = _Waiter(flow_run, job)
-        await patiently(lambda: self.client.update_flow_run_labels(flow_run.id, {run_labels.WAITING_FOR: queue_key(job)}),
-                        "joining the GPU queue")
+        await patiently(
+            lambda: self.client.update_flow_run_labels(flow_run.id, {run_labels.WAITING_FOR: queue_key(job)}), "joining the GPU queue"
+        )
         self._waiters[flow_run.id] = waiter
         try:
             while not waiter.served.is_set():
@@ -115,8 +116,11 @@ class GpuQueue:
             if key in blocked:
                 blocked[key] += 1
                 if waiter:
-                    self._say(waiter, f"waiting for {job.allocation.plan.gpus} x {job.allocation.gpu_type}:"
-                                      f" {_ordinal(blocked[key])} in line for {key} across the pool's workers")
+                    self._say(
+                        waiter,
+                        f"waiting for {job.allocation.plan.gpus} x {job.allocation.gpu_type}:"
+                        f" {_ordinal(blocked[key])} in line for {key} across the pool's workers",
+                    )
                 continue
             if job.cluster.name not in free:
                 free[job.cluster.name] = (await GpuReservations(self.client, job.cluster).state()).free_gpus
@@ -125,10 +129,12 @@ class GpuQueue:
             if not placements or (waiter and not hold):
                 blocked[key] = 1
                 if waiter:
-                    n = sum(len(free[job.cluster.name][node.name])
-                            for node in job.cluster.nodes if node.gpu_type == job.allocation.gpu_type)
-                    self._say(waiter, f"waiting for {job.allocation.plan.gpus} x {job.allocation.gpu_type};"
-                                      f" {n} free now, held by other runs")
+                    n = sum(
+                        len(free[job.cluster.name][node.name]) for node in job.cluster.nodes if node.gpu_type == job.allocation.gpu_type
+                    )
+                    self._say(
+                        waiter, f"waiting for {job.allocation.plan.gpus} x {job.allocation.gpu_type}; {n} free now, held by other runs"
+                    )
                 continue
             for p in placements:  # handed out in this sweep, whoever's turn it was
                 free[job.cluster.name][p.node] = [g for g in free[job.cluster.name][p.node] if g not in p.gpus]

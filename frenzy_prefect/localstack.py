@@ -49,8 +49,9 @@ def postgres_bin_dir() -> Path | None:
     (newest version first); None if none has them all."""
     on_path = shutil.which("initdb")
     candidates = [Path(on_path).resolve().parent] if on_path else []
-    candidates += sorted(Path("/usr/lib/postgresql").glob("*/bin"), key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else 0,
-                         reverse=True)
+    candidates += sorted(
+        Path("/usr/lib/postgresql").glob("*/bin"), key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else 0, reverse=True
+    )
     return next((d for d in candidates if all((d / name).is_file() for name in ("initdb", "postgres", "pg_isready", "createdb"))), None)
 
 
@@ -118,7 +119,7 @@ class LocalStack:
             shutil.rmtree(path, ignore_errors=True)
         self._scratch.clear()
 
-    def __enter__(self) -> "LocalStack":
+    def __enter__(self) -> LocalStack:
         """Inside the ``with`` block SIGTERM and SIGHUP act as Ctrl-C does (KeyboardInterrupt), so
         that however this process is asked to stop, it stops what it started on the way out."""
         self._handlers = {}
@@ -193,8 +194,18 @@ class LocalStack:
             f.write(password + "\n")
         if as_user:
             os.chown(pwfile, owner.pw_uid, owner.pw_gid)
-        initdb = [str(bin_dir / "initdb"), "-D", str(data), "-U", "prefect", f"--pwfile={pwfile}", "--auth=scram-sha-256", "-E", "UTF8",
-                  "--no-locale"]
+        initdb = [
+            str(bin_dir / "initdb"),
+            "-D",
+            str(data),
+            "-U",
+            "prefect",
+            f"--pwfile={pwfile}",
+            "--auth=scram-sha-256",
+            "-E",
+            "UTF8",
+            "--no-locale",
+        ]
         try:
             with open(self.logs / "postgres-initdb.log", "wb") as log:
                 done = subprocess.run([*as_user, *initdb], env=env, stdout=log, stderr=subprocess.STDOUT, timeout=120)

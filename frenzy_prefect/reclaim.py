@@ -18,7 +18,14 @@ import socket
 from datetime import datetime, timedelta, timezone
 from uuid import UUID
 
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterEndTime, FlowRunFilterState, FlowRunFilterStateType, WorkPoolFilter, WorkPoolFilterName
+from prefect.client.schemas.filters import (
+    FlowRunFilter,
+    FlowRunFilterEndTime,
+    FlowRunFilterState,
+    FlowRunFilterStateType,
+    WorkPoolFilter,
+    WorkPoolFilterName,
+)
 from prefect.client.schemas.objects import FlowRun, StateType, WorkerStatus
 from prefect.states import Scheduled
 from prefect.workers.base import BaseWorker
@@ -78,8 +85,10 @@ async def _reclaim(worker: BaseWorker, run: FlowRun) -> None:
     if lease != run_labels.RELEASED:
         await worker.client.release_concurrency_slots_with_lease(UUID(lease))  # a no-op once expired
     await worker.client.update_flow_run_labels(run.id, {run_labels.RECLAIMED_BY: worker.name})
-    message = (f"its frenzy worker {run.labels.get(run_labels.WORKER)!r} ({owner}) is gone;"
-               f" {worker.name!r} stopped its processes and released its GPUs")
+    message = (
+        f"its frenzy worker {run.labels.get(run_labels.WORKER)!r} ({owner}) is gone;"
+        f" {worker.name!r} stopped its processes and released its GPUs"
+    )
     worker.get_flow_run_logger(run).warning(f"Reclaimed: {message}")
     if not (run.state is not None and run.state.is_final()):
         await worker._propose_crashed_state(run, f"Crashed: {message}")

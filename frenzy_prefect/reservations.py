@@ -108,7 +108,10 @@ class GpuReservations:
         names = self._names(placements)
         try:
             response = await self.client.increment_concurrency_slots_with_lease(
-                names=names, slots=1, mode="concurrency", lease_duration=LEASE_S,
+                names=names,
+                slots=1,
+                mode="concurrency",
+                lease_duration=LEASE_S,
                 holder=ConcurrencyLeaseHolder(type="flow_run", id=flow_run_id),
             )
         except PrefectHTTPStatusError as exc:
@@ -158,8 +161,9 @@ class GpuHold:
                 if exc.response.status_code not in _GONE:
                     raise
                 with without_client_retries():
-                    retaken = await patiently(lambda: self.reservations.acquire(self.placements, self.holder), "taking GPUs again",
-                                              math.inf, 2.0)
+                    retaken = await patiently(
+                        lambda: self.reservations.acquire(self.placements, self.holder), "taking GPUs again", math.inf, 2.0
+                    )
                 if retaken is None:
                     self.lost_reason = (
                         f"the Prefect server forgot this run's GPU lease {self.lease} (an outage longer than {LEASE_S:.0f} s, "

@@ -133,9 +133,15 @@ def allocate(candidates: list[PlanCandidate], state: ClusterState) -> Allocation
             f"- placement: {placed}\n"
             f"- predicted peak memory per GPU: {gib(chosen.memory.peak_bytes)} GiB of {gib(chosen.gpu_memory_bytes)} GiB\n"
             f"- predicted step time: {chosen.step_time_s:.4g} s\n\n"
-            + "| " + " | ".join(breakdown) + " |\n"
-            + "|" + "---|" * len(breakdown) + "\n"
-            + "| " + " | ".join(breakdown.values()) + " |\n"
+            + "| "
+            + " | ".join(breakdown)
+            + " |\n"
+            + "|"
+            + "---|" * len(breakdown)
+            + "\n"
+            + "| "
+            + " | ".join(breakdown.values())
+            + " |\n"
         ),
         description="The plan and placement chosen for this run",
     )
@@ -143,7 +149,7 @@ def allocate(candidates: list[PlanCandidate], state: ClusterState) -> Allocation
         key="chosen-plan-memory",
         table=[{"stage": str(stage), **_breakdown_row(b)} for stage, b in enumerate(chosen.memory.per_stage)],
         description=f"Predicted peak memory per GPU of the chosen plan ({chosen.plan.label()} on {chosen.gpu_type}),"
-                    " itemised per pipeline stage",
+        " itemised per pipeline stage",
     )
     get_run_logger().info(f"Allocated {chosen.plan.gpus} x {chosen.gpu_type} ({chosen.plan.label()}) on {placed}")
     return chosen
@@ -172,8 +178,11 @@ def report(job: TrainingJob, result: TrainingResult, training_flow_run: str) -> 
     )
     write_bytes(job.report_uri, summary.model_dump_json(indent=2).encode())
     stride = max(1, len(result.losses) // 20)
-    curve = [{"step": str(i + 1), "loss": f"{loss:.4f}"}
-             for i, loss in enumerate(result.losses) if i % stride == 0 or i + 1 == len(result.losses)]
+    curve = [
+        {"step": str(i + 1), "loss": f"{loss:.4f}"}
+        for i, loss in enumerate(result.losses)
+        if i % stride == 0 or i + 1 == len(result.losses)
+    ]
     create_table_artifact(key="loss-curve", table=curve, description="Training loss (mean over ranks)")
     a = job.allocation
     create_markdown_artifact(

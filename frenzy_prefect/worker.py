@@ -23,7 +23,7 @@ import socket
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import anyio
 import anyio.abc
@@ -54,7 +54,7 @@ class FrenzyJobConfiguration(BaseJobConfiguration):
     """The pool's job template: each field is also a variable of the pool, typed and described
     here once (Prefect derives the variables' schema from these fields)."""
 
-    working_dir: Optional[Path] = Field(
+    working_dir: Path | None = Field(
         default=None, title="Working Directory", description="Directory the run's processes start in; default: the worker's."
     )
     launcher: Literal["local", "ssh"] = Field(
@@ -62,23 +62,23 @@ class FrenzyJobConfiguration(BaseJobConfiguration):
         title="Launcher",
         description="local: ranks on the worker's machine; ssh: ranks on each allocated node's host, over SSH.",
     )
-    ssh_user: Optional[str] = Field(default=None, title="SSH User", description="Login on the nodes (ssh launcher).")
+    ssh_user: str | None = Field(default=None, title="SSH User", description="Login on the nodes (ssh launcher).")
     ssh_port: int = Field(default=22, ge=1, le=65535, title="SSH Port", description="sshd's port on the nodes.")
-    ssh_key_secret: Optional[str] = Field(
+    ssh_key_secret: str | None = Field(
         default=None,
         title="SSH Key Secret Block",
         description="Name of a Prefect Secret block holding the private key (never logged; written to a 0600 file for the run).",
     )
-    ssh_known_hosts: Optional[Path] = Field(
+    ssh_known_hosts: Path | None = Field(
         default=None, title="SSH known_hosts", description="known_hosts file the nodes' host keys are checked against (required for ssh)."
     )
-    node_python: Optional[str] = Field(
+    node_python: str | None = Field(
         default=None, title="Node Python", description="Python with frenzy-prefect installed on the nodes; default: the worker's."
     )
-    allowed_gpu_types: Optional[list[str]] = Field(
+    allowed_gpu_types: list[str] | None = Field(
         default=None, title="Allowed GPU Types", description="Training runs on other GPU types fail at once; default: any."
     )
-    max_gpus_per_run: Optional[int] = Field(
+    max_gpus_per_run: int | None = Field(
         default=None, ge=1, title="Max GPUs per Run", description="Training runs needing more GPUs fail at once; default: no cap."
     )
 
@@ -119,7 +119,7 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, Any, FrenzyWorkerResult]):
         self,
         flow_run: FlowRun,
         configuration: FrenzyJobConfiguration,
-        task_status: Optional[anyio.abc.TaskStatus[Any]] = None,
+        task_status: anyio.abc.TaskStatus[Any] | None = None,
     ) -> FrenzyWorkerResult:
         await self._label(flow_run, {run_labels.WORKER: self.name, run_labels.PROCESS: run_labels.this_process()})
         job = training_job_of(flow_run)
@@ -200,7 +200,7 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, Any, FrenzyWorkerResult]):
         flow_run: FlowRun,
         configuration: FrenzyJobConfiguration,
         job: TrainingJob | None,
-        task_status: Optional[anyio.abc.TaskStatus[Any]],
+        task_status: anyio.abc.TaskStatus[Any] | None,
         hold: GpuHold | None = None,
     ) -> tuple[FrenzyWorkerResult, str | None]:
         """Start the run's processes and wait for them; (result, why it was cancelled, if it was)."""
@@ -218,7 +218,7 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, Any, FrenzyWorkerResult]):
         configuration: FrenzyJobConfiguration,
         group: ProcessGroup,
         launches: list[Launch],
-        task_status: Optional[anyio.abc.TaskStatus[Any]],
+        task_status: anyio.abc.TaskStatus[Any] | None,
         hold: GpuHold | None,
     ) -> tuple[FrenzyWorkerResult, str | None]:
         """Wait for the run's processes. Prefect's own cancellation only reaches runs that have
@@ -264,7 +264,9 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, Any, FrenzyWorkerResult]):
                 f"ssh to {group.failed_host} failed (exit {code}): the host is unreachable, refused the key, or its host key "
                 f"is not in {configuration.ssh_known_hosts}; every rank was stopped"
             )
-        return FrenzyWorkerResult(status_code=code, identifier=group.identifier), "Cancelled: every rank stopped" if cancelled.is_set() else None
+        return FrenzyWorkerResult(
+            status_code=code, identifier=group.identifier
+        ), "Cancelled: every rank stopped" if cancelled.is_set() else None
 
     async def _is_cancelling(self, flow_run: FlowRun) -> bool:
         try:
@@ -275,9 +277,7 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, Any, FrenzyWorkerResult]):
             raise
         return state is not None and state.type in (StateType.CANCELLING, StateType.CANCELLED)
 
-    async def kill_infrastructure(
-        self, infrastructure_pid: str, configuration: FrenzyJobConfiguration, grace_seconds: int = 30
-    ) -> None:
+    async def kill_infrastructure(self, infrastructure_pid: str, configuration: FrenzyJobConfiguration, grace_seconds: int = 30) -> None:
         host, pids = host_and_pids(infrastructure_pid)
         if host != socket.gethostname():
             raise InfrastructureNotAvailable(f"the run's processes were started on {host}; only a worker there can stop them")

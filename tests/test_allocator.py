@@ -18,8 +18,9 @@ CLUSTER = ClusterSpec.from_file(EXAMPLE_CLUSTER)
 
 
 def _allocate(model="gpt-nano", state=None, **request):
-    req = TrainingRequest(model=model, dataset="s3://b/d.txt", steps=1,
-                          **({"global_batch": 32, "seq_len": 128, "precision": "fp32"} | request))
+    req = TrainingRequest(
+        model=model, dataset="s3://b/d.txt", steps=1, **({"global_batch": 32, "seq_len": 128, "precision": "fp32"} | request)
+    )
     cands = allocator.candidate_plans(PRESETS[model], req, CLUSTER)
     return allocator.allocate(cands, state or ClusterState.idle(CLUSTER)), cands
 
@@ -39,8 +40,9 @@ def test_bf16_excludes_types_without_bf16():
 def test_bf16_on_a_cluster_without_bf16_says_which_precisions_would_work():
     t4_only = ClusterSpec(nodes=[Node(name="t4", host="127.0.0.1", gpu_type="T4", gpu_count=4)])
     req = TrainingRequest(model="gpt-nano", dataset="s3://b/d.txt", steps=1, global_batch=8, seq_len=64, precision="bf16")
-    with pytest.raises(NoFeasiblePlan,
-                       match=r"bf16 needs GPUs with bf16 support, and cluster 'cluster' has none \(T4\); request fp16 or fp32"):
+    with pytest.raises(
+        NoFeasiblePlan, match=r"bf16 needs GPUs with bf16 support, and cluster 'cluster' has none \(T4\); request fp16 or fp32"
+    ):
         allocator.candidate_plans(PRESETS["gpt-nano"], req, t4_only)
 
 

@@ -14,8 +14,29 @@ def frenzy(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_estimate_json_has_the_contracted_schema():
-    out = frenzy("estimate", "gpt2-small", "--dp", "2", "--tp", "2", "--pp", "2", "--micro-batch", "2", "--global-batch", "16",
-                 "--seq-len", "512", "--recompute", "selective", "--precision", "bf16", "--gpu", "A100-80GB", "--json")  # fmt: skip
+    out = frenzy(
+        "estimate",
+        "gpt2-small",
+        "--dp",
+        "2",
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--micro-batch",
+        "2",
+        "--global-batch",
+        "16",
+        "--seq-len",
+        "512",
+        "--recompute",
+        "selective",
+        "--precision",
+        "bf16",
+        "--gpu",
+        "A100-80GB",
+        "--json",
+    )
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert [r["rank"] for r in data["per_rank"]] == list(range(8))
@@ -27,8 +48,22 @@ def test_estimate_json_has_the_contracted_schema():
 
 
 def test_measure_takes_the_same_options_and_prints_the_same_schema():
-    options = ("gpt-nano", "--dp", "2", "--micro-batch", "2", "--global-batch", "8", "--seq-len", "64", "--zero", "1", "--precision",
-               "fp32", "--json")
+    options = (
+        "gpt-nano",
+        "--dp",
+        "2",
+        "--micro-batch",
+        "2",
+        "--global-batch",
+        "8",
+        "--seq-len",
+        "64",
+        "--zero",
+        "1",
+        "--precision",
+        "fp32",
+        "--json",
+    )
     measured, estimated = (frenzy(command, *options) for command in ("measure", "estimate"))
     assert measured.returncode == 0, measured.stderr
     m, e = json.loads(measured.stdout), json.loads(estimated.stdout)
@@ -45,8 +80,9 @@ def test_estimate_defaults_to_the_models_full_context():
 
 
 def test_plan_json_chooses_a_placement_on_the_example_cluster():
-    out = frenzy("plan", "gpt-nano", "--global-batch", "32", "--seq-len", "128", "--cluster", str(EXAMPLE_CLUSTER), "--precision", "fp32",
-                 "--json")
+    out = frenzy(
+        "plan", "gpt-nano", "--global-batch", "32", "--seq-len", "128", "--cluster", str(EXAMPLE_CLUSTER), "--precision", "fp32", "--json"
+    )
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert data["chosen"]["gpu_type"] == "A10" and data["plans"][0]["gpu_type"] == "A10"
@@ -55,24 +91,32 @@ def test_plan_json_chooses_a_placement_on_the_example_cluster():
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["estimate", "gpt2-small", "--tp", "5"],
-         "tp (5) must divide heads (12), hidden (768) and ffn_hidden (3072); accepted: [1, 2, 3, 4, 6, 12]"),
+        (
+            ["estimate", "gpt2-small", "--tp", "5"],
+            "tp (5) must divide heads (12), hidden (768) and ffn_hidden (3072); accepted: [1, 2, 3, 4, 6, 12]",
+        ),
         (["estimate", "gpt2-small", "--pp", "13"], "pp (13) must not exceed the number of layers (12); accepted: 1..12"),
-        (["estimate", "gpt2-small", "--dp", "2", "--micro-batch", "2", "--global-batch", "6"],
-         "global_batch (6) must be divisible by dp * micro_batch"),
+        (
+            ["estimate", "gpt2-small", "--dp", "2", "--micro-batch", "2", "--global-batch", "6"],
+            "global_batch (6) must be divisible by dp * micro_batch",
+        ),
         (["estimate", "gpt2-small", "--gpu", "X100"], "unknown GPU type 'X100'; known: H200"),
         (["estimate", "gpt2-small", "--micro-batch", "0"], "micro_batch: Input should be greater than 0 (got 0)"),
         (["estimate", "gpt2-small", "--zero", "4"], "zero: Input should be 0, 1, 2 or 3 (got 4)"),
-        (["estimate", "gpt2-small", "--zero", "2", "--pp", "2"],
-         "zero=2 is modelled as DeepSpeed runs it here, over data parallelism only"),
+        (
+            ["estimate", "gpt2-small", "--zero", "2", "--pp", "2"],
+            "zero=2 is modelled as DeepSpeed runs it here, over data parallelism only",
+        ),
         (["measure", "gpt-nano", "--tp", "3"], "tp (3) must divide heads (4), hidden (128) and ffn_hidden (512); accepted: [1, 2, 4]"),
         (["measure", "gpt-nano", "--tp", "2", "--precision", "fp16"], "fp16 loss scaling is implemented for plain data parallelism"),
         (["estimate", "gpt2-small", "--precision", "fp8"], "precision: Input should be 'fp32', 'bf16' or 'fp16' (got 'fp8')"),
         (["estimate", "gpt2-small", "--recompute", "some"], "recompute: Input should be 'none', 'selective' or 'full' (got 'some')"),
         (["estimate", "gpt2-small", "--optimizer", "lamb"], "optimizer.name: Input should be 'adamw', 'adam' or 'sgd' (got 'lamb')"),
         (["estimate", "gpt-nano", "--seq-len", "1024"], "seq_len (1024) exceeds the model's max_seq_len (256)"),
-        (["plan", "gpt3-13b", "--global-batch", "8", "--seq-len", "2048", "--cluster", str(EXAMPLE_CLUSTER)],
-         "the largest GPU available is A10"),
+        (
+            ["plan", "gpt3-13b", "--global-batch", "8", "--seq-len", "2048", "--cluster", str(EXAMPLE_CLUSTER)],
+            "the largest GPU available is A10",
+        ),
         (["plan", "gpt-nano", "--global-batch", "8", "--seq-len", "64", "--cluster", "nope.yaml"], "cluster file nope.yaml does not exist"),
     ],
 )
@@ -89,8 +133,14 @@ def test_bad_input_is_one_line_on_stderr_and_a_nonzero_exit(args, message):
         (["estimate", "gpt2-small", "--dp", "x"], "Invalid value for '--dp': Input should be a valid integer"),
         (["estimat", "gpt2-small"], "No such command 'estimat'."),
         (["recycle", "replan"], "No such command 'replan'. Did you mean 'plan'? (see 'python -m frenzy_prefect.cli recycle --help')"),
-        (["plan", "gpt-nano", "--global-batch", "8", "--seq-len", "64", "--cluster", str(EXAMPLE_CLUSTER), "--top", "0"], "Invalid value for '--top'"),
-        (["plan", "gpt-nano", "--global-batch", "8", "--seq-len", "64", "--cluster", str(EXAMPLE_CLUSTER), "--top", "-3"], "Invalid value for '--top'"),
+        (
+            ["plan", "gpt-nano", "--global-batch", "8", "--seq-len", "64", "--cluster", str(EXAMPLE_CLUSTER), "--top", "0"],
+            "Invalid value for '--top'",
+        ),
+        (
+            ["plan", "gpt-nano", "--global-batch", "8", "--seq-len", "64", "--cluster", str(EXAMPLE_CLUSTER), "--top", "-3"],
+            "Invalid value for '--top'",
+        ),
     ],
 )
 def test_usage_errors_are_one_line_on_stderr_and_exit_2(args, message):

@@ -83,8 +83,11 @@ def test_sigterm_to_the_demo_keeping_its_services_up_stops_all_of_them(tmp_path)
     with open(out, "wb") as f:
         demo = subprocess.Popen(
             [sys.executable, str(ROOT / "examples" / "quickstart.py"), "--keep-running", "--steps", "3", "--home", str(tmp_path / "home")],
-            cwd=ROOT, env=own_env(tmp_path / "home"), stdout=f, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            cwd=ROOT,
+            env=own_env(tmp_path / "home"),
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
     try:
         wait_for(out, "Services stay up", demo, timeout_s=400)
         started = descendants(demo.pid)
@@ -114,8 +117,13 @@ with LocalStack(Path(sys.argv[1])) as stack:
 def test_sighup_inside_a_localstack_block_stops_what_it_started(tmp_path):
     out = tmp_path / "stack.out"
     with open(out, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-c", STACK_SCRIPT, str(tmp_path / "home")], cwd=ROOT, env=own_env(tmp_path / "home"),
-                                stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", STACK_SCRIPT, str(tmp_path / "home")],
+            cwd=ROOT,
+            env=own_env(tmp_path / "home"),
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
     try:
         wait_for(out, "S3 http://", proc, timeout_s=120)
         started = descendants(proc.pid)

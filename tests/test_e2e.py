@@ -385,8 +385,9 @@ def test_cancelling_a_running_training_run_stops_its_ranks_and_frees_its_gpus(st
     with stack.client_settings():
         from prefect.deployments import run_deployment
 
-        parent = run_deployment("train-llm/frenzy",
-                                parameters={"request": GOOD | {"dataset": dataset, "steps": 100_000}, "cluster": "local-hetero"}, timeout=0)
+        parent = run_deployment(
+            "train-llm/frenzy", parameters={"request": GOOD | {"dataset": dataset, "steps": 100_000}, "cluster": "local-hetero"}, timeout=0
+        )
         deadline = time.monotonic() + 180
         with get_client(sync_client=True) as client:
             while True:  # until the ranks are training

@@ -81,8 +81,9 @@ def wait_for(what: str, check, timeout_s: float):
 
 
 def logged(stack: LocalStack, run_id: UUID, prefix: str, timeout_s: float = 240):
-    return wait_for(f"{run_id} to log {prefix!r}", lambda: [log for log in logs(stack, run_id) if log.message.startswith(prefix)],
-                    timeout_s)
+    return wait_for(
+        f"{run_id} to log {prefix!r}", lambda: [log for log in logs(stack, run_id) if log.message.startswith(prefix)], timeout_s
+    )
 
 
 def final(stack: LocalStack, run_id: UUID, timeout_s: float = 300):

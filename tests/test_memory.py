@@ -40,8 +40,9 @@ def test_model_states_equal_the_real_tensors_after_a_step(name, kwargs, state_by
         _bytes(p.grad for p in model.parameters()),
         _bytes(t for s in opt.state.values() for k, t in s.items() if k != "step"),
     )
-    b = estimate(NANO, ParallelPlan(micro_batch=2), global_batch=2, seq_len=16, precision="fp32",
-                 optimizer_bytes_per_param=state_bytes).per_stage[0]
+    b = estimate(
+        NANO, ParallelPlan(micro_batch=2), global_batch=2, seq_len=16, precision="fp32", optimizer_bytes_per_param=state_bytes
+    ).per_stage[0]
     assert (b.params, b.grads, b.optimizer) == measured
 
 
@@ -70,8 +71,9 @@ def test_the_estimate_matches_the_engines_measured_peak_on_every_rank(name, plan
     settings = OptimizerSettings(name=optimizer)
     work = Workload(model=NANO, plan=plan, global_batch=global_batch, seq_len=64, precision=precision, optimizer=settings)
     measured = measure(work)
-    predicted = estimate(NANO, plan, global_batch=global_batch, seq_len=64, precision=precision,
-                         optimizer_bytes_per_param=settings.state_bytes_per_parameter)
+    predicted = estimate(
+        NANO, plan, global_batch=global_batch, seq_len=64, precision=precision, optimizer_bytes_per_param=settings.state_bytes_per_parameter
+    )
     assert [m.rank for m in measured] == list(range(plan.gpus))
     peak = max(m.breakdown.total for m in measured)
     assert abs(predicted.peak_bytes - peak) <= 0.03 * peak, (predicted, measured)
@@ -184,6 +186,11 @@ def test_splitting_the_model_never_adds_parameters_per_gpu(plan):
 def test_the_search_path_finds_the_itemised_peak(plan, precision, on_gpu):
     # peak_bytes skips the middle pipeline stages, claiming the second bounds them.
     model = PRESETS["gpt2-small"]
-    kwargs = dict(global_batch=64 * plan.dp * plan.micro_batch, seq_len=128, precision=precision, optimizer_bytes_per_param=8,
-                  gpu=GPU_CATALOG["A100-80GB"] if on_gpu else None)  # fmt: skip
+    kwargs = dict(
+        global_batch=64 * plan.dp * plan.micro_batch,
+        seq_len=128,
+        precision=precision,
+        optimizer_bytes_per_param=8,
+        gpu=GPU_CATALOG["A100-80GB"] if on_gpu else None,
+    )
     assert peak_bytes(model, plan, **kwargs) == estimate(model, plan, **kwargs).peak_bytes

@@ -49,7 +49,10 @@ def test_plan_table_names_the_throughput():
         (["--dp", "2", "--pp", "3", "--microbatches", "0"], "microbatches must be a positive integer, got 0"),
         (["--dp", "2", "--pp", "3", "--microbatches", "4", "--planner", "x"], "unknown planner 'x'; known: heuristic, milp"),
         (["--dp", "2", "--pp", "3", "--microbatches", "4", "--step-s", "-1"], "step_s must be positive, got -1.0"),
-        (["--dp", "2", "--pp", "3", "--microbatches", "4", "--memory-bound", "0"], "memory_bound must be a positive int or 3 positive ints"),
+        (
+            ["--dp", "2", "--pp", "3", "--microbatches", "4", "--memory-bound", "0"],
+            "memory_bound must be a positive int or 3 positive ints",
+        ),
         (["--dp", "two", "--pp", "3", "--microbatches", "4"], "error: Invalid value for '--dp': Input should be a valid integer"),
         (["--pp", "3", "--microbatches", "4"], "error: Missing option '--dp'."),
     ],

@@ -8,11 +8,10 @@ from hypothesis import strategies as st
 
 from frenzy_prefect.recycle.cache import PlanCache, failure_keys
 from frenzy_prefect.recycle.costs import StageCosts
-from frenzy_prefect.recycle.fault_free import costs_from_fault_free_step, fault_free_iteration_s
 from frenzy_prefect.recycle.failures import NeedsCheckpointRestart, RecycleInputError, canonical_failed
+from frenzy_prefect.recycle.fault_free import costs_from_fault_free_step, fault_free_iteration_s
 from frenzy_prefect.recycle.in_flight import in_flight_peak
-from frenzy_prefect.recycle.planners import PLANNERS, planner
-from frenzy_prefect.recycle.planners import heuristic, milp
+from frenzy_prefect.recycle.planners import PLANNERS, heuristic, milp, planner
 from frenzy_prefect.recycle.schedule import Action, ActionKind
 from frenzy_prefect.recycle.timeline import run_timeline, steady_state_period_s
 from frenzy_prefect.recycle.validate import InvalidSchedule, validate, violations
@@ -76,8 +75,10 @@ def _mutations(schedule):
     swapped = list(program)
     swapped[f], swapped[b] = swapped[b], swapped[f]
     yield "out of order|wrong side", schedule.replaced(worker, swapped)
-    yield "divides its gradients by", schedule.replaced(worker,
-                                                        [a._replace(divisor=a.divisor - 1) if a.kind == "AR" else a for a in program])
+    yield (
+        "divides its gradients by",
+        schedule.replaced(worker, [a._replace(divisor=a.divisor - 1) if a.kind == "AR" else a for a in program]),
+    )
 
 
 @given(cases(max_m=6), st.sampled_from(sorted(PLANNERS)), st.data())
@@ -164,8 +165,9 @@ def test_cache_looks_up_any_failed_set_with_the_same_counts():
     assert run_timeline(actual, costs).iteration_s == pytest.approx(a.plan.iteration_s)
     assert cache.lookup([]).key == (0, 0, 0)
     assert cache.rerouted_s((1, 0, 1)) == a.plan.iteration_s and cache.plan([0, 0, 0]).relative_throughput == pytest.approx(1, abs=0.2)
-    with pytest.raises(RecycleInputError,
-                       match=r"no precomputed plan for failures per stage \(1, 1, 1\) \(3 failures\); this cache covers up to 2"):
+    with pytest.raises(
+        RecycleInputError, match=r"no precomputed plan for failures per stage \(1, 1, 1\) \(3 failures\); this cache covers up to 2"
+    ):
         cache.lookup({(0, 0), (0, 1), (0, 2)})
     with pytest.raises(NeedsCheckpointRestart, match="stage.s. 1 lost all 3 replicas"):
         cache.lookup({(0, 1), (1, 1), (2, 1)})
@@ -196,7 +198,13 @@ def test_branch_and_bound_runs_in_a_child_that_is_killed_when_time_is_up():
 
 
 def test_the_plan_cache_drives_the_simulators_iteration_model():
-    from frenzy_prefect.recycle.iteration import IterationTimes, StepTimeTable, balanced_reroute_bound, bubble_filling_bound, from_step_time_table
+    from frenzy_prefect.recycle.iteration import (
+        IterationTimes,
+        StepTimeTable,
+        balanced_reroute_bound,
+        bubble_filling_bound,
+        from_step_time_table,
+    )
 
     dp, pp, m = 2, 4, 8
     table = from_step_time_table(StepTimeTable({dp * pp: 1.5}), dp=dp, pp=pp, microbatches=m)

@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 
 from frenzy_prefect.profiling.model import PRESETS
 from frenzy_prefect.recycle.costs import StageCosts
-from frenzy_prefect.recycle.fault_free import costs_from_fault_free_step, fault_free_iteration_s
 from frenzy_prefect.recycle.failures import (
     NeedsCheckpointRestart,
     RecycleInputError,
@@ -20,6 +19,7 @@ from frenzy_prefect.recycle.failures import (
     pipeline_maps,
     reroute,
 )
+from frenzy_prefect.recycle.fault_free import costs_from_fault_free_step, fault_free_iteration_s
 from frenzy_prefect.recycle.in_flight import in_flight_bound, in_flight_peak
 from frenzy_prefect.recycle.schedule import Action, ActionKind, one_f_one_b, parse_action
 from frenzy_prefect.recycle.timeline import ScheduleDeadlock, run_timeline, steady_state_period_s
@@ -50,9 +50,7 @@ def test_p2p_allreduce_and_optimizer_add_to_the_critical_path():
 @settings(max_examples=40)
 def test_costs_from_a_fault_free_step_reproduce_it(shape, step_s, allreduce, optimizer, p2p):
     dp, pp, m = shape
-    costs = costs_from_fault_free_step(
-        step_s, dp, pp, m, allreduce_fraction=allreduce, optimizer_fraction=optimizer, p2p_per_forward=p2p
-    )
+    costs = costs_from_fault_free_step(step_s, dp, pp, m, allreduce_fraction=allreduce, optimizer_fraction=optimizer, p2p_per_forward=p2p)
     assert fault_free_iteration_s(costs, dp, pp, m) == pytest.approx(step_s, rel=1e-9)
     assert costs.forward_s[0] == pytest.approx(costs.backward_input_s[0]) == pytest.approx(costs.backward_weight_s[0])
 
@@ -114,10 +112,16 @@ def test_normalise_counts_failures_per_stage():
 @pytest.mark.parametrize(
     ("call", "error", "message"),
     [
-        (lambda: normalise(4, 3, [(4, 0)]), RecycleInputError,
-         r"failed worker \(pipeline 4, stage 0\) does not exist; pipelines are 0..3, stages 0..2"),
-        (lambda: normalise(2, 3, [(0, 1), (1, 1)]), NeedsCheckpointRestart,
-         "stage.s. 1 lost all 2 replicas: .* needs a checkpoint restart"),
+        (
+            lambda: normalise(4, 3, [(4, 0)]),
+            RecycleInputError,
+            r"failed worker \(pipeline 4, stage 0\) does not exist; pipelines are 0..3, stages 0..2",
+        ),
+        (
+            lambda: normalise(2, 3, [(0, 1), (1, 1)]),
+            NeedsCheckpointRestart,
+            "stage.s. 1 lost all 2 replicas: .* needs a checkpoint restart",
+        ),
         (lambda: key_from_stages(2, 3, [1, 1, 1]), RecycleInputError, "stage 1 has 2 replicas; 3 failures there is impossible"),
         (lambda: key_from_stages(2, 3, [3]), RecycleInputError, r"stage 3 does not exist; stages are 0..2 \(0-based\)"),
         (lambda: reroute(2, 2, 0, frozenset()), RecycleInputError, "microbatches must be a positive integer, got 0"),
@@ -174,16 +178,26 @@ def test_a_valid_schedule_passes():
     ("schedule", "message"),
     [
         (BASE.replaced((0, 0), [a for a in BASE.programs[(0, 0)] if str(a) != "W1@0"]), "micro-batch 1 of pipeline 0 has 0 W at stage 0"),
-        (BASE.replaced((0, 1), [a if a.kind != "AR" else a._replace(divisor=2) for a in BASE.programs[(0, 1)]]),
-         r"divides its gradients by 2; fault-free training divides by dp \* microbatches = 4"),
-        (_program((0, 1), "RA0@0<0", "F0@0", "W0@0", "B0@0", "SG0@0>0", "RA1@0<0", "F1@0", "B1@0", "SG1@0>0", "W1@0", "AR/4", "OPT"),
-         "micro-batch 0 of pipeline 0 at stage 1: F, B, W out of order"),
-        (_program((0, 1), "F0@0", "RA0@0<0", "B0@0", "SG0@0>0", "W0@0", "RA1@0<0", "F1@0", "B1@0", "SG1@0>0", "W1@0", "AR/4", "OPT"),
-         "RA is on the wrong side of its F"),
-        (_program((0, 1), "RA0@0<1", "F0@0", "B0@0", "SG0@0>0", "W0@0", "RA1@0<0", "F1@0", "B1@0", "SG1@0>0", "W1@0", "AR/4", "OPT"),
-         "RA names pipeline 1, but stage 0 runs it on 0"),
-        (_program((0, 1), "RA0@0<0", "F0@0", "B0@0", "SG0@0>0", "W0@0", "RA1@0<0", "F1@0", "B1@0", "SG1@0>0", "AR/4", "W1@0", "OPT"),
-         r"\(pipeline 0, stage 1\) computes after its all-reduce"),
+        (
+            BASE.replaced((0, 1), [a if a.kind != "AR" else a._replace(divisor=2) for a in BASE.programs[(0, 1)]]),
+            r"divides its gradients by 2; fault-free training divides by dp \* microbatches = 4",
+        ),
+        (
+            _program((0, 1), "RA0@0<0", "F0@0", "W0@0", "B0@0", "SG0@0>0", "RA1@0<0", "F1@0", "B1@0", "SG1@0>0", "W1@0", "AR/4", "OPT"),
+            "micro-batch 0 of pipeline 0 at stage 1: F, B, W out of order",
+        ),
+        (
+            _program((0, 1), "F0@0", "RA0@0<0", "B0@0", "SG0@0>0", "W0@0", "RA1@0<0", "F1@0", "B1@0", "SG1@0>0", "W1@0", "AR/4", "OPT"),
+            "RA is on the wrong side of its F",
+        ),
+        (
+            _program((0, 1), "RA0@0<1", "F0@0", "B0@0", "SG0@0>0", "W0@0", "RA1@0<0", "F1@0", "B1@0", "SG1@0>0", "W1@0", "AR/4", "OPT"),
+            "RA names pipeline 1, but stage 0 runs it on 0",
+        ),
+        (
+            _program((0, 1), "RA0@0<0", "F0@0", "B0@0", "SG0@0>0", "W0@0", "RA1@0<0", "F1@0", "B1@0", "SG1@0>0", "AR/4", "W1@0", "OPT"),
+            r"\(pipeline 0, stage 1\) computes after its all-reduce",
+        ),
         (BASE.model_copy(update={"failed": frozenset({(1, 0)})}), r"failed worker \(pipeline 1, stage 0\) has actions"),
     ],
 )

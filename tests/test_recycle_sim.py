@@ -7,9 +7,9 @@ from hypothesis import strategies as st
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.recycle.iteration import IterationTimes, balanced_reroute_bound
 from frenzy_prefect.recycle.knobs import Knobs
+from frenzy_prefect.recycle.membership import Membership
 from frenzy_prefect.recycle.policies import POLICIES, make_policy
 from frenzy_prefect.recycle.policies.base import View, reform
-from frenzy_prefect.recycle.membership import Membership
 from frenzy_prefect.recycle.replay import simulate
 from frenzy_prefect.recycle.traces import FailureTrace, NodeEvent, shrink_trace, transient_trace
 
@@ -89,8 +89,11 @@ def test_a_stage_that_loses_every_replica_forces_a_reported_restart():
 
 
 def test_a_spare_that_fills_a_wiped_stage_has_no_state_to_copy():
-    tr = FailureTrace(name="t", events=[NodeEvent(time_s=0, kind="add", node=f"node{k}") for k in range(1, 4)]
-                      + [NodeEvent(time_s=50, kind="remove", node="node1")])
+    tr = FailureTrace(
+        name="t",
+        events=[NodeEvent(time_s=0, kind="add", node=f"node{k}") for k in range(1, 4)]
+        + [NodeEvent(time_s=50, kind="remove", node="node1")],
+    )
     result = simulate(grid(dp=1, pp=2), tr, make_policy("recycle"), samples_per_iteration=16, horizon_s=200.0)
     assert result.spare_fills == 1 and result.stage_wipeouts == 1
     assert result.events[1].kind == "checkpoint-restart" and result.events[1].grid == "1x2"  # node3 loads the checkpoint
@@ -136,16 +139,20 @@ def test_adaptive_is_never_below_oobleck_when_nodes_only_leave():
     for seed in range(3):
         tr = shrink_trace(32, mtbf_s=20 * 3600, horizon_s=8 * 3600, seed=seed)
         for dp, pp in ((4, 8), (8, 4)):
-            model = IterationTimes(dp, pp, 32, lambda d, p: T * 32 / (d * p) * (1 + (p - 1) / 32),
-                                   balanced_reroute_bound(T * (1 + (pp - 1) / 32), dp))
+            model = IterationTimes(
+                dp, pp, 32, lambda d, p: T * 32 / (d * p) * (1 + (p - 1) / 32), balanced_reroute_bound(T * (1 + (pp - 1) / 32), dp)
+            )
             adaptive = simulate(model, tr, make_policy("adaptive"), samples_per_iteration=dp * 32, horizon_s=8 * 3600)
             oobleck = simulate(model, tr, make_policy("oobleck"), samples_per_iteration=dp * 32, horizon_s=8 * 3600)
             assert adaptive.throughput >= oobleck.throughput * 0.999
 
 
 def test_a_job_starts_with_whatever_nodes_the_trace_has_first():
-    tr = FailureTrace(name="t", events=[NodeEvent(time_s=60, kind="add", node=f"node{k}") for k in range(1, 5)]
-                      + [NodeEvent(time_s=200, kind="add", node=f"node{k}") for k in range(5, 9)])
+    tr = FailureTrace(
+        name="t",
+        events=[NodeEvent(time_s=60, kind="add", node=f"node{k}") for k in range(1, 5)]
+        + [NodeEvent(time_s=200, kind="add", node=f"node{k}") for k in range(5, 9)],
+    )
     result = run("recycle", tr, horizon=1000.0)
     assert result.start_s == 60 and result.workers_at_start == 4
     # every stage has one live worker: ReCycle starts on the full grid, re-routing around the holes

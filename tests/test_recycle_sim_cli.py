@@ -21,8 +21,27 @@ def trace(tmp_path):
 def test_json_from_a_step_time_table(trace, tmp_path):
     table = tmp_path / "steps.json"
     table.write_text('{"4": 2.0, "2": 3.5}')
-    args = ["recycle", "simulate", "--trace", str(trace), "--dp", "2", "--pp", "2", "--microbatches", "8",
-            "--step-time-table", str(table), "--samples-per-step", "64", "--policy", "recycle", "--horizon-s", "7200", "--json"]
+    args = [
+        "recycle",
+        "simulate",
+        "--trace",
+        str(trace),
+        "--dp",
+        "2",
+        "--pp",
+        "2",
+        "--microbatches",
+        "8",
+        "--step-time-table",
+        str(table),
+        "--samples-per-step",
+        "64",
+        "--policy",
+        "recycle",
+        "--horizon-s",
+        "7200",
+        "--json",
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
@@ -34,9 +53,30 @@ def test_json_from_a_step_time_table(trace, tmp_path):
 def test_the_table_uses_the_throughput_model_by_default_and_a_mapping(trace, tmp_path):
     mapping = tmp_path / "map.csv"
     mapping.write_text("node1,0,0\nnode2,1,0\nnode3,0,1\nnode4,1,1\n")  # node2 holds stage 0 of pipeline 1
-    result = runner.invoke(app, ["recycle", "simulate", "--trace", str(trace), "--dp", "2", "--pp", "2", "--microbatches", "4",
-                                 "--mapping", str(mapping), "--policy", "drop_pipeline", "--knob", "drop_reform_s=5",
-                                 "--horizon-s", "7200"], env={"COLUMNS": "150"})
+    result = runner.invoke(
+        app,
+        [
+            "recycle",
+            "simulate",
+            "--trace",
+            str(trace),
+            "--dp",
+            "2",
+            "--pp",
+            "2",
+            "--microbatches",
+            "4",
+            "--mapping",
+            str(mapping),
+            "--policy",
+            "drop_pipeline",
+            "--knob",
+            "drop_reform_s=5",
+            "--horizon-s",
+            "7200",
+        ],
+        env={"COLUMNS": "150"},
+    )
     assert result.exit_code == 0, result.output
     assert "ratio to fault-free" in result.stdout and "drop-pipeline 1, reconfigure 1" in result.stdout
 

@@ -17,8 +17,10 @@ from frenzy_prefect.spec.plan import Placement
 
 
 def small_cluster() -> ClusterSpec:
-    nodes = [{"name": "a", "host": "127.0.0.1", "gpu_type": "A10", "gpu_count": 3},
-             {"name": "b", "host": "127.0.0.1", "gpu_type": "A10", "gpu_count": 2}]
+    nodes = [
+        {"name": "a", "host": "127.0.0.1", "gpu_type": "A10", "gpu_count": 3},
+        {"name": "b", "host": "127.0.0.1", "gpu_type": "A10", "gpu_count": 2},
+    ]
     return ClusterSpec(name=f"res-{uuid4().hex[:8]}", nodes=nodes)
 
 

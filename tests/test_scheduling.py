@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 from frenzy_prefect.allocator.plans import plan_space
 from frenzy_prefect.allocator.step_time import fit_achievable_fraction, predict_step
 from frenzy_prefect.errors import FrenzyError
-from frenzy_prefect.spec.layout import check_plan
 from frenzy_prefect.profiling.model import PRESETS
 from frenzy_prefect.scheduling.cluster import SimCluster
 from frenzy_prefect.scheduling.inputs import TraceJob, load_cluster, load_trace, shared_traces
@@ -22,6 +21,7 @@ from frenzy_prefect.scheduling.policies.frenzy import Reservation
 from frenzy_prefect.scheduling.simulator import simulate
 from frenzy_prefect.spec.catalog import GPU_CATALOG
 from frenzy_prefect.spec.cluster import ClusterSpec
+from frenzy_prefect.spec.layout import check_plan
 from frenzy_prefect.spec.plan import ParallelPlan, Placement
 
 from .test_cli import frenzy
@@ -69,8 +69,12 @@ def test_the_achievable_fraction_is_recovered_from_measured_steps():
 
 
 @settings(max_examples=30, deadline=None)
-@given(model=st.sampled_from(["gpt2-small", "gpt2-xl", "gpt3-6.7b"]), batch=st.sampled_from([8, 12, 64]), max_gpus=st.integers(1, 64),
-       node=st.sampled_from([1, 4, 8]))
+@given(
+    model=st.sampled_from(["gpt2-small", "gpt2-xl", "gpt3-6.7b"]),
+    batch=st.sampled_from([8, 12, 64]),
+    max_gpus=st.integers(1, 64),
+    node=st.sampled_from([1, 4, 8]),
+)
 def test_every_plan_in_the_space_is_valid_and_within_the_gpus(model, batch, max_gpus, node):
     spec = PRESETS[model]
     for plan in plan_space(spec, batch, max_gpus, node):
@@ -91,9 +95,7 @@ def test_the_frontier_fits_in_memory_and_buys_speed_with_every_gpu_added():
 
 def test_a_naive_user_doubles_gpus_then_shrinks_the_micro_batch_then_recomputes():
     ladder = naive_plans(8, 2, 4)
-    assert [(p.dp, p.micro_batch, p.recompute) for p in ladder] == [
-        (2, 4, "none"), (4, 2, "none"), (4, 1, "none"), (4, 1, "full")
-    ]  # fmt: skip
+    assert [(p.dp, p.micro_batch, p.recompute) for p in ladder] == [(2, 4, "none"), (4, 2, "none"), (4, 1, "none"), (4, 1, "full")]
 
 
 # --- cluster state and policies ----------------------------------------------------------------
@@ -129,8 +131,10 @@ def test_a_reservation_admits_short_jobs_other_types_and_spare_gpus_only():
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_every_policy_finishes_every_job_that_fits_and_accounts_for_the_rest(policy):
     spec = cluster(("T4", 4), ("A100-80GB", 2))
-    jobs = [job(f"j{i}", model=m, arrival=60.0 * i, gpus=g)
-            for i, (m, g) in enumerate([("gpt2-small", 1), ("gpt2-xl", 2), ("gpt2-medium", 4), ("gpt2-small", 8), ("gpt2-xl", 1)] * 3)]
+    jobs = [
+        job(f"j{i}", model=m, arrival=60.0 * i, gpus=g)
+        for i, (m, g) in enumerate([("gpt2-small", 1), ("gpt2-xl", 2), ("gpt2-medium", 4), ("gpt2-small", 8), ("gpt2-xl", 1)] * 3)
+    ]
     jobs.append(job("huge", model="gpt3-13b", arrival=5.0, gpus=1, batch=8))  # 13 B: fits nowhere here
     result = simulate(jobs, spec, make_policy(policy))
     assert result.jobs_completed + result.jobs_unschedulable == len(jobs)
@@ -182,8 +186,9 @@ def test_simulate_json_has_the_contracted_fields(tmp_path):
         out = frenzy("simulate", "--trace", str(trace), "--cluster", THREE_TYPES, "--policy", policy, "--json")
         assert out.returncode == 0, out.stderr
         data = json.loads(out.stdout)
-        assert {"policy", "jobs_total", "jobs_completed", "avg_jct_s", "p50_jct_s", "p99_jct_s", "makespan_s",
-                "gpu_utilization"} <= set(data)
+        assert {"policy", "jobs_total", "jobs_completed", "avg_jct_s", "p50_jct_s", "p99_jct_s", "makespan_s", "gpu_utilization"} <= set(
+            data
+        )
         assert set(data["decision_latency_ms"]) == {"p50", "p99", "max"}
         assert data["policy"] == policy and data["jobs_total"] == 3
         assert data["jobs_completed"] + data["jobs_unschedulable"] == 3
@@ -201,7 +206,12 @@ def test_simulate_rejects_bad_input_in_one_line(tmp_path):
     nodes = tmp_path / "nodes.csv"
     nodes.write_text("sn,cpu_milli,memory_mib,gpu,model\nn0,1,1,8,G2\n")
     out = frenzy("simulate", "--trace", str(trace), "--cluster", str(nodes))
-    assert out.returncode == 2 and "unknown gpu_type 'G2'" in out.stderr and "A100-80GB" in out.stderr and "in a GPU types file given with it" in out.stderr
+    assert (
+        out.returncode == 2
+        and "unknown gpu_type 'G2'" in out.stderr
+        and "A100-80GB" in out.stderr
+        and "in a GPU types file given with it" in out.stderr
+    )
     types = tmp_path / "types.yaml"
     types.write_text("G2: {memory_bytes: -5}\n")
     out = frenzy("simulate", "--trace", str(trace), "--cluster", str(nodes), "--gpu-types", str(types))
@@ -232,8 +242,23 @@ def test_a_real_trace_replays_under_every_policy_on_the_three_type_cluster():
 
 
 def test_plan_over_the_full_space_splits_a_model_no_single_gpu_of_a_type_holds():
-    out = frenzy("plan", "gpt2-xl", "--global-batch", "64", "--seq-len", "1024", "--cluster", THREE_TYPES, "--precision", "fp16",
-                 "--space", "full", "--top", "100000", "--json")
+    out = frenzy(
+        "plan",
+        "gpt2-xl",
+        "--global-batch",
+        "64",
+        "--seq-len",
+        "1024",
+        "--cluster",
+        THREE_TYPES,
+        "--precision",
+        "fp16",
+        "--space",
+        "full",
+        "--top",
+        "100000",
+        "--json",
+    )
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     times = [p["step_time_s"] for p in data["plans"]]
@@ -242,7 +267,6 @@ def test_plan_over_the_full_space_splits_a_model_no_single_gpu_of_a_type_holds()
     assert t4 and all(p["gpus"] > 1 for p in t4)  # 1.5 B with Adam never fits one 16 GB T4, but splits do
     chosen = data["chosen"]
     assert sum(len(p["gpus"]) for p in chosen["placements"]) == chosen["plan"]["dp"] * chosen["plan"]["tp"] * chosen["plan"]["pp"]
-    assert frenzy("plan", "gpt2-xl", "--global-batch", "64", "--seq-len", "1024", "--cluster", THREE_TYPES,
-                  "--space", "all").stderr.strip() == (
-        "error: --space must be engine or full, not 'all'"
-    )
+    assert frenzy(
+        "plan", "gpt2-xl", "--global-batch", "64", "--seq-len", "1024", "--cluster", THREE_TYPES, "--space", "all"
+    ).stderr.strip() == ("error: --space must be engine or full, not 'all'")

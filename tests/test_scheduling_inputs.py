@@ -1,12 +1,10 @@
 """The simulator's inputs: the public traces load whole, and a bad row is named by file, line and column."""
 
-
 import pytest
 
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.scheduling.inputs import load_alibaba_nodes, load_trace, shared_traces
 from frenzy_prefect.spec.catalog import GPU_CATALOG
-
 
 TRACES = shared_traces()
 ELASTICFLOW = TRACES / "elasticflow"
@@ -27,7 +25,10 @@ def test_elasticflow_traces_load_whole_in_submission_order(name, jobs):
 
 @needs_traces
 def test_the_alibaba_cluster_needs_its_undisclosed_types_declared_and_then_has_6212_gpus():
-    unknown = "unknown gpu_type 'G[23]'; known types: A10, .* \\(declare it under gpu_types, in the cluster or in a GPU types file given with it\\)"
+    unknown = (
+        "unknown gpu_type 'G[23]'; known types: A10, .* \\(declare it under gpu_types, in the cluster or in a GPU types file "
+        "given with it\\)"
+    )
     with pytest.raises(FrenzyError, match=unknown):
         load_alibaba_nodes(ALIBABA_NODES)
     declared = {name: GPU_CATALOG["A10"].model_copy(update={"name": name}) for name in ("G2", "G3")}

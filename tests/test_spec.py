@@ -57,10 +57,17 @@ def test_gpt2_small_has_its_published_parameter_count():
 def test_hf_configs_of_both_naming_styles_map_onto_the_spec():
     gpt2 = from_hf_config({"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 300, "n_positions": 128, "model_type": "gpt2"})
     generic = from_hf_config(
-        {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 300,
-         "max_position_embeddings": 128, "intermediate_size": 200, "tie_word_embeddings": False,
-         "make_vocab_size_divisible_by": 128}
-    )  # fmt: skip
+        {
+            "num_hidden_layers": 2,
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "vocab_size": 300,
+            "max_position_embeddings": 128,
+            "intermediate_size": 200,
+            "tie_word_embeddings": False,
+            "make_vocab_size_divisible_by": 128,
+        }
+    )
     assert (gpt2.layers, gpt2.hidden, gpt2.heads, gpt2.ffn_hidden, gpt2.tied_embeddings, gpt2.padded_vocab) == (2, 64, 4, 256, True, 300)
     assert (generic.ffn_hidden, generic.tied_embeddings, generic.padded_vocab) == (200, False, 384)
     with torch.device("meta"):

@@ -66,16 +66,22 @@ def sshd(tmp_path_factory) -> SshSettings:
     while not (d / "sshd.pid").exists():
         assert server.poll() is None and time.monotonic() < deadline, (d / "sshd.log").read_text()
         time.sleep(0.1)
-    yield SshSettings(user=os.environ.get("USER") or "root", port=port, identity_file=d / "user_key", known_hosts=d / "known_hosts",
-                      python=sys.executable)
+    yield SshSettings(
+        user=os.environ.get("USER") or "root", port=port, identity_file=d / "user_key", known_hosts=d / "known_hosts", python=sys.executable
+    )
     os.kill(int((d / "sshd.pid").read_text()), signal.SIGTERM)
     server.wait(timeout=10)
 
 
 def test_a_two_node_job_trains_through_sshd(sshd, dataset):
     placements = [Placement(node="n0", host="127.0.0.1", gpus=[0]), Placement(node="n1", host="127.0.0.1", gpus=[1])]
-    job = make_job(profile_dataset(dataset, 64, NANO.vocab_size), f"s3://{BUCKET}/runs/over-ssh", ParallelPlan(dp=2, micro_batch=4),
-                   placements, steps=10)
+    job = make_job(
+        profile_dataset(dataset, 64, NANO.vocab_size),
+        f"s3://{BUCKET}/runs/over-ssh",
+        ParallelPlan(dp=2, micro_batch=4),
+        placements,
+        steps=10,
+    )
 
     async def run() -> tuple[int, int | None]:
         launches = rank_launches(job, python=sys.executable, env=dict(os.environ))
@@ -97,8 +103,10 @@ def test_the_rendezvous_port_is_picked_on_the_first_node_and_given_to_every_node
     seen = tmp_path / "seen"
     seen.mkdir()
     write = f"import os, pathlib; pathlib.Path({str(seen)!r}, os.environ['NODE']).write_text(os.environ['RDZV_PORT'])"
-    launches = [Launch(host="127.0.0.1", node=f"n{i}", argv=[sys.executable, "-c", write], env={"NODE": f"n{i}"},
-                       port_env="RDZV_PORT") for i in range(2)]
+    launches = [
+        Launch(host="127.0.0.1", node=f"n{i}", argv=[sys.executable, "-c", write], env={"NODE": f"n{i}"}, port_env="RDZV_PORT")
+        for i in range(2)
+    ]
     sshd_log = sshd.identity_file.parent / "sshd.log"
     accepted_before = sshd_log.read_text(errors="replace").count("Accepted publickey")
 
@@ -152,8 +160,9 @@ def test_a_remote_rank_killed_with_sigkill_is_named_through_the_connection(sshd)
         "write_report({'rank': 3, 'local_rank': 1, 'pid': 4242, 'exitcode': -9})\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n"
     )
-    dies = ("import os, pathlib, signal\npathlib.Path(os.environ['OUT']).write_text(str(os.getpid()))\n"
-            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    dies = (
+        "import os, pathlib, signal\npathlib.Path(os.environ['OUT']).write_text(str(os.getpid()))\nos.kill(os.getpid(), signal.SIGKILL)\n"
+    )
 
     async def run(launch: Launch) -> tuple[int, str | None]:
         group = await start_ssh([launch], sshd)
@@ -185,8 +194,9 @@ def test_the_worker_takes_the_ssh_key_from_a_secret_block_and_never_shows_it(sta
     from prefect.blocks.system import Secret
 
     material = "-----BEGIN OPENSSH PRIVATE KEY-----\nc2VjcmV0LW1hdGVyaWFs\n-----END OPENSSH PRIVATE KEY-----"
-    config = FrenzyJobConfiguration(launcher="ssh", ssh_user="trainer", ssh_key_secret="frenzy-test-key",
-                                    ssh_known_hosts=tmp_path / "known_hosts")
+    config = FrenzyJobConfiguration(
+        launcher="ssh", ssh_user="trainer", ssh_key_secret="frenzy-test-key", ssh_known_hosts=tmp_path / "known_hosts"
+    )
     with stack.client_settings():
         Secret(value=material).save("frenzy-test-key", overwrite=True)
         settings = asyncio.run(_ssh_settings(config, tmp_path))

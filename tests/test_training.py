@@ -9,7 +9,6 @@ import sys
 
 import pytest
 import torch
-
 import torch.distributed as dist
 
 from frenzy_prefect.errors import StorageUnreachable
@@ -18,8 +17,8 @@ from frenzy_prefect.launch.torchrun import rank_launches
 from frenzy_prefect.memory import estimate
 from frenzy_prefect.profiling.dataset import profile_dataset
 from frenzy_prefect.profiling.model import PRESETS
-from frenzy_prefect.spec.dataset import DatasetInfo
 from frenzy_prefect.spec.cluster import ClusterSpec
+from frenzy_prefect.spec.dataset import DatasetInfo
 from frenzy_prefect.spec.plan import Allocation, ParallelPlan, Placement, TrainingJob
 from frenzy_prefect.spec.request import TrainingRequest
 from frenzy_prefect.storage import exists, filesystem, open_uri
@@ -38,8 +37,21 @@ def unchecked(uri: str, tokens: int = 10_000) -> DatasetInfo:
 
 
 def make_job(dataset: DatasetInfo, output: str, plan: ParallelPlan, placements: list[Placement], **request: object) -> TrainingJob:
-    req = TrainingRequest(**({"model": "gpt-nano", "dataset": dataset.uri, "global_batch": 16, "seq_len": 64, "steps": 40,
-                              "precision": "fp32", "output": output, "log_every": 10} | request))  # fmt: skip
+    req = TrainingRequest(
+        **(
+            {
+                "model": "gpt-nano",
+                "dataset": dataset.uri,
+                "global_batch": 16,
+                "seq_len": 64,
+                "steps": 40,
+                "precision": "fp32",
+                "output": output,
+                "log_every": 10,
+            }
+            | request
+        )
+    )
     memory = estimate(NANO, plan, global_batch=req.global_batch, seq_len=req.seq_len, precision=req.precision, optimizer_bytes_per_param=8)
     allocation = Allocation(gpu_type="A10", plan=plan, memory=memory, gpu_memory_bytes=24 * 2**30, step_time_s=1.0, placements=placements)
     nodes = [{"name": p.node, "host": p.host, "gpu_type": "A10", "gpu_count": max(p.gpus) + 1} for p in placements]
@@ -78,8 +90,12 @@ def test_two_ranks_on_two_nodes_train_and_checkpoint_to_s3(dataset):
 
 def test_a_failing_rank_stops_the_whole_job_and_writes_nothing(s3):
     output = f"s3://{BUCKET}/runs/failing"
-    job = make_job(unchecked(f"s3://{BUCKET}/data/absent.txt"), output, ParallelPlan(dp=2, micro_batch=8),
-                   [Placement(node="n0", host="127.0.0.1", gpus=[0, 1])])  # fmt: skip
+    job = make_job(
+        unchecked(f"s3://{BUCKET}/data/absent.txt"),
+        output,
+        ParallelPlan(dp=2, micro_batch=8),
+        [Placement(node="n0", host="127.0.0.1", gpus=[0, 1])],
+    )
     code, pids = launch(job)
     assert code != 0
     assert not any(is_running(p) for p in pids)
@@ -89,9 +105,14 @@ def test_a_failing_rank_stops_the_whole_job_and_writes_nothing(s3):
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_a_lone_rank_trains_with_full_recomputation(dataset, precision):
     output = f"s3://{BUCKET}/runs/lone-{precision}"
-    job = make_job(profile_dataset(dataset, 64, NANO.vocab_size), output, ParallelPlan(micro_batch=8, recompute="full"),
-                   [Placement(node="n0", host="127.0.0.1", gpus=[0])],
-                   steps=15, precision=precision)  # fmt: skip
+    job = make_job(
+        profile_dataset(dataset, 64, NANO.vocab_size),
+        output,
+        ParallelPlan(micro_batch=8, recompute="full"),
+        [Placement(node="n0", host="127.0.0.1", gpus=[0])],
+        steps=15,
+        precision=precision,
+    )
     lines = []
     result = train(job, DistributedContext(), log=lines.append)
     assert result.losses[-1] < result.losses[0] - 0.5

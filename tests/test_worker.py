@@ -44,8 +44,13 @@ def _run(parameters):
 
 
 def test_a_training_run_becomes_one_torchrun_agent_per_node():
-    job = make_job(unchecked("s3://b/d.txt"), "s3://b/out", ParallelPlan(dp=3, micro_batch=1), global_batch=12, placements=[
-        Placement(node="a", host="127.0.0.1", gpus=[0, 1]), Placement(node="b", host="127.0.0.1", gpus=[3])])  # fmt: skip
+    job = make_job(
+        unchecked("s3://b/d.txt"),
+        "s3://b/out",
+        ParallelPlan(dp=3, micro_batch=1),
+        global_batch=12,
+        placements=[Placement(node="a", host="127.0.0.1", gpus=[0, 1]), Placement(node="b", host="127.0.0.1", gpus=[3])],
+    )
     config = FrenzyJobConfiguration(command="ignored for training runs", env={"EXTRA": "1"})
     launches = FrenzyWorker(work_pool_name="p").launches_for(config, training_job_of(_run({"job": job.model_dump(mode="json")})))
     assert [l.processes for l in launches] == [2, 1]
@@ -71,8 +76,9 @@ def test_the_local_launcher_refuses_remote_hosts_before_starting_anything():
 
 def test_kill_infrastructure_stops_every_process_of_the_run():
     async def scenario():
-        group = await start_local([Launch(host="127.0.0.1", argv=["sleep", "60"]),
-                                   Launch(host="127.0.0.1", argv=["sh", "-c", "sleep 60 & wait"])])
+        group = await start_local(
+            [Launch(host="127.0.0.1", argv=["sleep", "60"]), Launch(host="127.0.0.1", argv=["sh", "-c", "sleep 60 & wait"])]
+        )
         await FrenzyWorker(work_pool_name="p").kill_infrastructure(group.identifier, FrenzyJobConfiguration(), grace_seconds=2)
         return group.pids, await group.wait()
 
@@ -100,8 +106,13 @@ def test_a_rank_killed_with_sigkill_is_named_with_its_node_and_signal(dataset):
     """A real two-rank job (one torchrun agent, gloo); rank 1 is killed with -9 mid-training. The
     group's one-line failure names the rank, its node, its PID and the signal (torchrun's own
     account of which rank died, through the failure file), and every process is gone."""
-    job = make_job(profile_dataset(dataset, 64, NANO.vocab_size), f"s3://{BUCKET}/runs/rank-killed", ParallelPlan(dp=2, micro_batch=4),
-                   [Placement(node="n0", host="127.0.0.1", gpus=[0, 1])], steps=100_000)  # fmt: skip
+    job = make_job(
+        profile_dataset(dataset, 64, NANO.vocab_size),
+        f"s3://{BUCKET}/runs/rank-killed",
+        ParallelPlan(dp=2, micro_batch=4),
+        [Placement(node="n0", host="127.0.0.1", gpus=[0, 1])],
+        steps=100_000,
+    )
 
     async def scenario() -> tuple[int, int, ProcessGroup]:
         group = await start_local(rank_launches(job, python=sys.executable, env=dict(os.environ)))
@@ -116,8 +127,9 @@ def test_a_rank_killed_with_sigkill_is_named_with_its_node_and_signal(dataset):
 
 def test_a_command_without_ranks_is_named_by_its_node_and_pid():
     async def scenario() -> tuple[int, int, ProcessGroup]:
-        group = await start_local([Launch(host="127.0.0.1", node="n0", argv=["sleep", "60"]),
-                                   Launch(host="127.0.0.1", argv=["sleep", "60"])])
+        group = await start_local(
+            [Launch(host="127.0.0.1", node="n0", argv=["sleep", "60"]), Launch(host="127.0.0.1", argv=["sleep", "60"])]
+        )
         os.kill(group.pids[0], signal.SIGKILL)
         return await group.wait(grace_s=2), group.pids[0], group
 
@@ -131,8 +143,9 @@ def test_cancelling_the_wait_stops_every_command_at_once():
     exit."""
 
     async def scenario() -> list[int]:
-        group = await start_local([Launch(host="127.0.0.1", argv=["sleep", "60"]),
-                                   Launch(host="127.0.0.1", argv=["sh", "-c", "sleep 60 & wait"])])
+        group = await start_local(
+            [Launch(host="127.0.0.1", argv=["sleep", "60"]), Launch(host="127.0.0.1", argv=["sh", "-c", "sleep 60 & wait"])]
+        )
         waiting = asyncio.ensure_future(group.wait())
         await asyncio.sleep(0.5)
         waiting.cancel()

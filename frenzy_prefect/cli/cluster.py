@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -13,9 +12,9 @@ from frenzy_prefect.units import gib
 
 
 def discover(
-    node: Optional[str] = typer.Option(None, "--node", help="Node name; default: this machine's hostname."),
-    host: Optional[str] = typer.Option(None, "--host", help="Where its ranks run; default: this machine's hostname."),
-    save: Optional[str] = typer.Option(None, "--save", help="Add or update the node in this FrenzyCluster block (created if missing)."),
+    node: str | None = typer.Option(None, "--node", help="Node name; default: this machine's hostname."),
+    host: str | None = typer.Option(None, "--host", help="Where its ranks run; default: this machine's hostname."),
+    save: str | None = typer.Option(None, "--save", help="Add or update the node in this FrenzyCluster block (created if missing)."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """This machine's GPUs through NVML, as a cluster node (optionally saved into a cluster block)."""
@@ -36,7 +35,9 @@ def discover(
     for g in gpus:
         link = f"{g.nvlinks} NVLink links" if g.nvlinks else f"PCIe gen {g.pcie_generation} x{g.pcie_width}"
         typer.echo(f"GPU {g.index}: {g.name}, {gib(g.memory_bytes)} GiB, {link}")
-    typer.echo(f"node {found.name} (host {found.host}): {found.gpu_count} x {found.gpu_type}" + (f"; saved to block {save!r}" if save else ""))
+    typer.echo(
+        f"node {found.name} (host {found.host}): {found.gpu_count} x {found.gpu_type}" + (f"; saved to block {save!r}" if save else "")
+    )
 
 
 def deploy(pool: str = typer.Option("frenzy", "--pool", help="A work pool of type frenzy.")) -> None:
@@ -52,7 +53,7 @@ def deploy(pool: str = typer.Option("frenzy", "--pool", help="A work pool of typ
 
 def cluster_save(
     file: Path = typer.Argument(..., help="Cluster file (YAML or JSON)."),
-    name: Optional[str] = typer.Option(None, "--name", help="Block name; default: the cluster's name."),
+    name: str | None = typer.Option(None, "--name", help="Block name; default: the cluster's name."),
 ) -> None:
     """Save a cluster file as a FrenzyCluster block (overwriting one of the same name)."""
     from frenzy_prefect.blocks import FrenzyCluster

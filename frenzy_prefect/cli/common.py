@@ -77,9 +77,14 @@ def training_request(model: str, global_batch: int, seq_len: int, precision: str
     """The workload a command describes, validated as a training request (it names no dataset),
     so that bad values get the same one-line errors as in a flow."""
     return TrainingRequest(
-        model=model, dataset="-", global_batch=global_batch, seq_len=seq_len, steps=1,
-        precision=precision, optimizer={"name": optimizer},
-    )  # fmt: skip
+        model=model,
+        dataset="-",
+        global_batch=global_batch,
+        seq_len=seq_len,
+        steps=1,
+        precision=precision,
+        optimizer={"name": optimizer},
+    )
 
 
 def gpu_type(name: str):

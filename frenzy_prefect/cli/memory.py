@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -18,14 +17,17 @@ from frenzy_prefect.units import gib
 
 
 class Workload:
-    """The options ``estimate`` and ``measure`` share, validated once (the same options, the same schema: docs/architecture.md, Contracts)."""
+    """The options ``estimate`` and ``measure`` share, validated once (the same options, the same
+    schema: docs/architecture.md, Contracts)."""
 
     def __init__(self, model, dp, tp, pp, micro_batch, global_batch, seq_len, zero, recompute, precision, optimizer, gpu):
         from frenzy_prefect.profiling.model import resolve_model
 
         self.spec = resolve_model(model, seq_len=seq_len)
         self.plan = ParallelPlan(dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, zero=zero, recompute=recompute)
-        self.request = training_request(model, global_batch or self.plan.dp * self.plan.micro_batch, seq_len or self.spec.max_seq_len, precision, optimizer)
+        self.request = training_request(
+            model, global_batch or self.plan.dp * self.plan.micro_batch, seq_len or self.spec.max_seq_len, precision, optimizer
+        )
         self.gpu = gpu_type(gpu) if gpu else None  # the plan itself is checked by estimate/measure
 
     def header(self) -> str:
@@ -55,7 +57,9 @@ ZERO = typer.Option(0, "--zero", help="ZeRO stage 0-3.")
 RECOMPUTE = typer.Option("none", "--recompute", help="none, selective or full.")
 PRECISION = typer.Option("bf16", "--precision", help="fp32, bf16 or fp16.")
 OPTIMIZER = typer.Option("adamw", "--optimizer", help="adamw, adam or sgd.")
-GPU = typer.Option(None, "--gpu", help="GPU type: estimate adds its calibrated overhead (default: tensors only); measure only checks the name.")
+GPU = typer.Option(
+    None, "--gpu", help="GPU type: estimate adds its calibrated overhead (default: tensors only); measure only checks the name."
+)
 JSON = typer.Option(False, "--json")
 
 
@@ -63,11 +67,20 @@ def _memory_command(per_rank: Callable[[Workload], PerRank], doc: str) -> Callab
     """``estimate`` or ``measure``: the same options and the same schema (docs/architecture.md, Contracts)."""
 
     def command(
-        model: str = MODEL_ARG, dp: int = DP, tp: int = TP, pp: int = PP, micro_batch: int = MICRO_BATCH,
-        global_batch: Optional[int] = GLOBAL_BATCH, seq_len: Optional[int] = SEQ_LEN, zero: int = ZERO,
-        recompute: str = RECOMPUTE, precision: str = PRECISION, optimizer: str = OPTIMIZER, gpu: Optional[str] = GPU,
+        model: str = MODEL_ARG,
+        dp: int = DP,
+        tp: int = TP,
+        pp: int = PP,
+        micro_batch: int = MICRO_BATCH,
+        global_batch: int | None = GLOBAL_BATCH,
+        seq_len: int | None = SEQ_LEN,
+        zero: int = ZERO,
+        recompute: str = RECOMPUTE,
+        precision: str = PRECISION,
+        optimizer: str = OPTIMIZER,
+        gpu: str | None = GPU,
         as_json: bool = JSON,
-    ) -> None:  # fmt: skip
+    ) -> None:
         w = Workload(model, dp, tp, pp, micro_batch, global_batch, seq_len, zero, recompute, precision, optimizer, gpu)
         w.emit(per_rank(w), as_json)
 
@@ -80,10 +93,13 @@ def _estimated(w: Workload) -> PerRank:
 
 
 def _measured(w: Workload) -> PerRank:
-    from frenzy_prefect.training.measure import Workload as Measured, measure  # torch: imported here, never by `import frenzy_prefect.cli`
+    from frenzy_prefect.training.measure import Workload as Measured  # torch: imported here, never by `import frenzy_prefect.cli`
+    from frenzy_prefect.training.measure import measure
 
     r = w.request
-    ranks = measure(Measured(model=w.spec, plan=w.plan, global_batch=r.global_batch, seq_len=r.seq_len, precision=r.precision, optimizer=r.optimizer))
+    ranks = measure(
+        Measured(model=w.spec, plan=w.plan, global_batch=r.global_batch, seq_len=r.seq_len, precision=r.precision, optimizer=r.optimizer)
+    )
     return [(m.rank, m.breakdown) for m in ranks]
 
 
@@ -109,7 +125,7 @@ CALIBRATION_RUNS = [
 
 def calibrate(
     gpu: str = typer.Option(..., "--gpu", help="The GPU type this machine has (a catalog name)."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Calibration file to update; default: $FRENZY_CALIBRATION or the packaged one."),
+    out: Path | None = typer.Option(None, "--out", help="Calibration file to update; default: $FRENZY_CALIBRATION or the packaged one."),
 ) -> None:
     """Measure this machine's GPU on a fixed set of runs, fit its overhead and fragmentation, and
     store them in the calibration file the estimator loads; prints the error before and after."""
@@ -119,7 +135,8 @@ def calibrate(
     from frenzy_prefect.memory import peak_bytes
     from frenzy_prefect.memory.calibration import ENV, PACKAGED, Calibration, GpuConstants, fit, save
     from frenzy_prefect.profiling.model import resolve_model
-    from frenzy_prefect.training.measure import Workload as Measured, measure as run
+    from frenzy_prefect.training.measure import Workload as Measured
+    from frenzy_prefect.training.measure import measure as run
 
     if not torch.cuda.is_available():
         raise FrenzyError("calibration measures a GPU and this machine has no CUDA device; the constants stay documented assumptions")
@@ -128,8 +145,12 @@ def calibrate(
     runs, measured = [], []
     for model, batch, seq_len, precision, recompute in CALIBRATION_RUNS:
         spec, plan_ = resolve_model(model, seq_len=seq_len), ParallelPlan(micro_batch=batch, recompute=recompute)
-        (rank,) = run(Measured(model=spec, plan=plan_, global_batch=batch, seq_len=seq_len, precision=precision, optimizer={"name": "adamw"}))
-        runs.append((spec, plan_, dict(global_batch=batch, seq_len=seq_len, precision=precision, optimizer_bytes_per_param=8, gpu=gpu_type_)))
+        (rank,) = run(
+            Measured(model=spec, plan=plan_, global_batch=batch, seq_len=seq_len, precision=precision, optimizer={"name": "adamw"})
+        )
+        runs.append(
+            (spec, plan_, dict(global_batch=batch, seq_len=seq_len, precision=precision, optimizer_bytes_per_param=8, gpu=gpu_type_))
+        )
         measured.append(rank.device_peak)
         typer.echo(f"{model} mb={batch} seq={seq_len} {precision} recompute={recompute}: device peak {gib(rank.device_peak)} GiB")
 
@@ -150,4 +171,7 @@ def presets() -> None:
     from frenzy_prefect.profiling.model import PRESETS
 
     for name, spec in PRESETS.items():
-        typer.echo(f"{name:<12} {spec.parameters / 1e6:10.1f} M params  layers {spec.layers:>3}  hidden {spec.hidden:>5}  heads {spec.heads:>3}  vocab {spec.vocab_size}")
+        typer.echo(
+            f"{name:<12} {spec.parameters / 1e6:10.1f} M params  layers {spec.layers:>3}  hidden {spec.hidden:>5}  "
+            f"heads {spec.heads:>3}  vocab {spec.vocab_size}"
+        )

@@ -20,7 +20,9 @@ def plan(
     cluster: Path = typer.Option(..., "--cluster", help="Cluster file (YAML or JSON)."),
     precision: str = typer.Option("bf16", "--precision", help="fp32, bf16 or fp16."),
     optimizer: str = typer.Option("adamw", "--optimizer", help="adamw, adam or sgd."),
-    space: str = typer.Option("engine", "--space", help="engine: plans training runs today (data parallel, recompute); full: tp, pp and ZeRO too."),
+    space: str = typer.Option(
+        "engine", "--space", help="engine: plans training runs today (data parallel, recompute); full: tp, pp and ZeRO too."
+    ),
     top: int = typer.Option(10, "--top", min=1, help="How many ranked plans to show."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
@@ -39,7 +41,13 @@ def plan(
     ranked = [c for c in candidates if c.fits][:top]
     if as_json:
         plans = [
-            {"gpu_type": c.gpu_type, "gpus": c.plan.gpus, "plan": c.plan.model_dump(), "peak_bytes": c.memory.peak_bytes, "step_time_s": c.step_time_s}
+            {
+                "gpu_type": c.gpu_type,
+                "gpus": c.plan.gpus,
+                "plan": c.plan.model_dump(),
+                "peak_bytes": c.memory.peak_bytes,
+                "step_time_s": c.step_time_s,
+            }
             for c in ranked
         ]
         echo_json({"plans": plans, "chosen": chosen.model_dump(mode="json")})
@@ -50,7 +58,22 @@ def plan(
     for i, c in enumerate(ranked, 1):
         p = c.plan
         table.add_row(
-            *map(str, (i, p.gpus, c.gpu_type, p.dp, p.tp, p.pp, p.micro_batch, p.zero, p.recompute, gib(c.memory.peak_bytes), gib(c.gpu_memory_bytes))),
+            *map(
+                str,
+                (
+                    i,
+                    p.gpus,
+                    c.gpu_type,
+                    p.dp,
+                    p.tp,
+                    p.pp,
+                    p.micro_batch,
+                    p.zero,
+                    p.recompute,
+                    gib(c.memory.peak_bytes),
+                    gib(c.gpu_memory_bytes),
+                ),
+            ),
             f"{c.step_time_s:.4g}",
         )
     console = Console()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -32,13 +31,19 @@ def simulate(
     pp: int = typer.Option(..., "--pp", min=1, help="Pipeline stages."),
     microbatches: int = typer.Option(..., "--microbatches", min=1, help="Micro-batches per pipeline per iteration."),
     policy: str = typer.Option("recycle", "--policy", help="recycle, checkpoint_restart, drop_pipeline, oobleck, bamboo or adaptive."),
-    step_time_table: Optional[Path] = typer.Option(None, "--step-time-table", help='JSON {"alive workers": fault-free step seconds}; default: the throughput model.'),
-    samples_per_step: Optional[int] = typer.Option(None, "--samples-per-step", min=1, help="Global batch in samples; needed with --step-time-table (default dp * microbatches)."),
+    step_time_table: Path | None = typer.Option(
+        None, "--step-time-table", help='JSON {"alive workers": fault-free step seconds}; default: the throughput model.'
+    ),
+    samples_per_step: int | None = typer.Option(
+        None, "--samples-per-step", min=1, help="Global batch in samples; needed with --step-time-table (default dp * microbatches)."
+    ),
     model: str = typer.Option("gpt2-xl", "--model", help="Throughput model only: preset name or HF config.json."),
     gpu: str = typer.Option("A100-80GB", "--gpu", help="Throughput model only: a catalog GPU type."),
-    mapping: Optional[Path] = typer.Option(None, "--mapping", help="nodeN,pipeline,stage lines; default pipeline-major by node number."),
-    horizon_s: Optional[float] = typer.Option(None, "--horizon-s", help="Measured window from the first event; default: to the last event."),
-    knob: list[str] = typer.Option([], "--knob", help="Override a simulation constant, NAME=VALUE (repeatable), e.g. checkpoint_interval_s=600."),
+    mapping: Path | None = typer.Option(None, "--mapping", help="nodeN,pipeline,stage lines; default pipeline-major by node number."),
+    horizon_s: float | None = typer.Option(None, "--horizon-s", help="Measured window from the first event; default: to the last event."),
+    knob: list[str] = typer.Option(
+        [], "--knob", help="Override a simulation constant, NAME=VALUE (repeatable), e.g. checkpoint_interval_s=600."
+    ),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Throughput of data x pipeline parallel training through a node failure trace, under one policy."""
@@ -55,8 +60,15 @@ def simulate(
     else:
         times = from_preset(model, gpu, dp=dp, pp=pp, microbatches=microbatches)
     homes = load_mapping(mapping, dp, pp) if mapping else None
-    result = replay(times, load_failure_trace(trace), chosen, samples_per_iteration=samples_per_step or dp * microbatches,
-                    knobs=knobs, homes=homes, horizon_s=horizon_s)  # fmt: skip
+    result = replay(
+        times,
+        load_failure_trace(trace),
+        chosen,
+        samples_per_iteration=samples_per_step or dp * microbatches,
+        knobs=knobs,
+        homes=homes,
+        horizon_s=horizon_s,
+    )
     if as_json:
         typer.echo(result.model_dump_json())
         return
@@ -86,10 +98,14 @@ def plan(
     dp: int = typer.Option(..., "--dp", help="Data-parallel pipelines (replicas of every stage)."),
     pp: int = typer.Option(..., "--pp", help="Pipeline stages."),
     microbatches: int = typer.Option(..., "--microbatches", help="Micro-batches per pipeline per iteration."),
-    fail: str = typer.Option("", "--fail", help="Failed workers' stages, 0-based, comma-separated: 2,2,5 = two failures in stage 2, one in stage 5."),
+    fail: str = typer.Option(
+        "", "--fail", help="Failed workers' stages, 0-based, comma-separated: 2,2,5 = two failures in stage 2, one in stage 5."
+    ),
     planner_name: str = typer.Option("heuristic", "--planner", help="heuristic or milp."),
     step_s: float = typer.Option(1.0, "--step-s", help="Fault-free 1F1B iteration time in seconds (costs follow from it: F:B:W = 1:1:1)."),
-    memory_bound: Optional[int] = typer.Option(None, "--memory-bound", help="Most micro-batches a worker may hold in flight (F done, W not); default: unbounded."),
+    memory_bound: int | None = typer.Option(
+        None, "--memory-bound", help="Most micro-batches a worker may hold in flight (F done, W not); default: unbounded."
+    ),
     actions: bool = typer.Option(False, "--actions", help="Also print every worker's action list."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
@@ -97,15 +113,21 @@ def plan(
     iteration time and throughput relative to fault-free 1F1B; the planner's time."""
     from frenzy_prefect.recycle.case_summary import plan_case
 
-    out = plan_case(dp, pp, microbatches, _failed_stages(fail), planner_name=planner_name, step_s=step_s, memory_bound=memory_bound, actions=actions)
+    out = plan_case(
+        dp, pp, microbatches, _failed_stages(fail), planner_name=planner_name, step_s=step_s, memory_bound=memory_bound, actions=actions
+    )
     if as_json:
         echo_json(out)
         return
-    table = Table(title=f"dp={dp} pp={pp} microbatches={microbatches}, failures per stage {out['failures_per_stage']}, planner {out['planner']}")
+    table = Table(
+        title=f"dp={dp} pp={pp} microbatches={microbatches}, failures per stage {out['failures_per_stage']}, planner {out['planner']}"
+    )
     for column in ("stage", "live", "micro-batches each", "bubble"):
         table.add_column(column, justify="right")
     for st in out["stages"]:
-        table.add_row(str(st["stage"]), str(st["live_workers"]), ", ".join(map(str, st["microbatches_per_worker"])), f"{st['bubble_fraction']:.1%}")
+        table.add_row(
+            str(st["stage"]), str(st["live_workers"]), ", ".join(map(str, st["microbatches_per_worker"])), f"{st['bubble_fraction']:.1%}"
+        )
     console = Console()
     console.print(table)
     gap = f", gap {out['mip_gap']:.2%}" if out["mip_gap"] is not None else ""
@@ -113,6 +135,9 @@ def plan(
         f"iteration {out['iteration_s']:.4g} s (fault-free 1F1B {out['fault_free_s']:.4g} s): "
         f"{out['relative_throughput']:.1%} of fault-free throughput; planned in {out['planner_wall_s'] * 1e3:.1f} ms ({out['status']}{gap})"
     )
-    console.print(f"back to back (staggered optimizer steps): {out['steady_state_period_s']:.4g} s per iteration, {out['steady_state_relative_throughput']:.1%} of fault-free")
+    console.print(
+        f"back to back (staggered optimizer steps): {out['steady_state_period_s']:.4g} s per iteration, "
+        f"{out['steady_state_relative_throughput']:.1%} of fault-free"
+    )
     for worker, program in out.get("actions", {}).items():
         console.print(f"({worker}): {program}", soft_wrap=True)

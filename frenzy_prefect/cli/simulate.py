@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -18,7 +17,7 @@ def simulate(
     trace: Path = typer.Option(..., "--trace", help="ElasticFlow job trace CSV."),
     cluster: Path = typer.Option(..., "--cluster", help="Alibaba v2023 node-list CSV, or a cluster file (YAML/JSON)."),
     policy: str = typer.Option("frenzy", "--policy", help="frenzy, first-fit, fastest-type or ilp."),
-    gpu_types: Optional[Path] = typer.Option(None, "--gpu-types", help="YAML declaring GPU types the catalog lacks (e.g. Alibaba's G2, G3)."),
+    gpu_types: Path | None = typer.Option(None, "--gpu-types", help="YAML declaring GPU types the catalog lacks (e.g. Alibaba's G2, G3)."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Replay a job trace on a cluster under one scheduling policy."""

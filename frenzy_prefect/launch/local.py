@@ -22,7 +22,6 @@ from frenzy_prefect.launch.command import Launch
 from frenzy_prefect.launch.failure import FAILURE_FILE_ENV, describe, read_report
 from frenzy_prefect.launch.remote import free_port
 
-
 ACCOUNT_TIMEOUT_S = 5.0  # for a failed command's account of its failure (over SSH it follows the exit)
 
 

@@ -44,17 +44,26 @@ class SshSettings(BaseModel):
 def ssh_argv(host: str, settings: SshSettings) -> list[str]:
     return [
         "ssh",
-        "-o", "BatchMode=yes",
-        "-o", "StrictHostKeyChecking=yes",
-        "-o", f"UserKnownHostsFile={settings.known_hosts}",
-        "-o", "IdentitiesOnly=yes",
-        "-o", "ConnectTimeout=10",
-        "-i", str(settings.identity_file),
-        "-p", str(settings.port),
-        "-l", settings.user,
-        "--", host,
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        "StrictHostKeyChecking=yes",
+        "-o",
+        f"UserKnownHostsFile={settings.known_hosts}",
+        "-o",
+        "IdentitiesOnly=yes",
+        "-o",
+        "ConnectTimeout=10",
+        "-i",
+        str(settings.identity_file),
+        "-p",
+        str(settings.port),
+        "-l",
+        settings.user,
+        "--",
+        host,
         shlex.join([settings.python, "-m", "frenzy_prefect.launch.remote"]),
-    ]  # fmt: skip
+    ]
 
 
 class RemoteChannel:
@@ -143,5 +152,10 @@ async def start_ssh(launches: list[Launch], settings: SshSettings, cwd: Path | N
 
         return read
 
-    return ProcessGroup(processes, launches, rendezvous_port=port, accounts=[account(i) for i in range(len(processes))],
-                        readers=[c.reader for c in channels])
+    return ProcessGroup(
+        processes,
+        launches,
+        rendezvous_port=port,
+        accounts=[account(i) for i in range(len(processes))],
+        readers=[c.reader for c in channels],
+    )

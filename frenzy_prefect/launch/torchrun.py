@@ -19,21 +19,25 @@ def rank_launches(job: TrainingJob, *, python: str, env: dict[str, str]) -> list
     launches = []
     for node_rank, placement in enumerate(placements):
         argv = [
-            python, "-m", "frenzy_prefect.launch.agent",  # torchrun, telling the launcher which rank failed
+            python,
+            "-m",
+            "frenzy_prefect.launch.agent",  # torchrun, telling the launcher which rank failed
             f"--nnodes={len(placements)}",
             f"--node-rank={node_rank}",
             f"--nproc-per-node={len(placement.gpus)}",
             f"--master-addr={master}",
             "--max-restarts=0",
-            "-m", "frenzy_prefect.training.entry",
-        ]  # fmt: skip
+            "-m",
+            "frenzy_prefect.training.entry",
+        ]
         node_env = {
             **env,
             JOB_ENV: job.model_dump_json(),
             "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in placement.gpus),
         }
         launches.append(
-            Launch(host=placement.host, node=placement.node, argv=argv, env=node_env, processes=len(placement.gpus),
-                   port_env=MASTER_PORT_ENV)
+            Launch(
+                host=placement.host, node=placement.node, argv=argv, env=node_env, processes=len(placement.gpus), port_env=MASTER_PORT_ENV
+            )
         )
     return launches

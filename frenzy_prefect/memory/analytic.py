@@ -111,8 +111,9 @@ class MicroBatchTerms(NamedTuple):
 
 
 @lru_cache(maxsize=4096)
-def micro_batch_terms(model: ModelSpec, tp: int, micro_batch: int, seq_len: int, precision: Precision, recompute: str,
-                      zero3: bool) -> MicroBatchTerms:
+def micro_batch_terms(
+    model: ModelSpec, tp: int, micro_batch: int, seq_len: int, precision: Precision, recompute: str, zero3: bool
+) -> MicroBatchTerms:
     s, b, h, f, a, V, t = seq_len, micro_batch, model.hidden, model.ffn_hidden, model.heads, model.padded_vocab, tp
     e = COMPUTE_BYTES[precision]
     half = e < FP32
@@ -195,9 +196,16 @@ Breakdown = tuple[int, int, int, int, int]  # params, grads, optimizer, saved ac
 
 
 def stage_peaks(
-    model: ModelSpec, plan: ParallelPlan, *, global_batch: int, seq_len: int, precision: Precision, optimizer_bytes_per_param: int,
-    on_gpu: bool, stages: Sequence[int] | None = None,
-) -> list[Breakdown]:  # fmt: skip
+    model: ModelSpec,
+    plan: ParallelPlan,
+    *,
+    global_batch: int,
+    seq_len: int,
+    precision: Precision,
+    optimizer_bytes_per_param: int,
+    on_gpu: bool,
+    stages: Sequence[int] | None = None,
+) -> list[Breakdown]:
     """The tensors at the peak of a rank of each of ``stages`` (default: every pipeline stage), as
     plain tuples."""
     check_plan(model, plan)
@@ -223,18 +231,31 @@ def _runtime(constants: GpuConstants, tensors: int) -> int:
 
 
 def peak_bytes(
-    model: ModelSpec, plan: ParallelPlan, *, global_batch: int, seq_len: int, precision: Precision, optimizer_bytes_per_param: int,
-    gpu: GpuType | None = None, calibration: Calibration | None = None,
-) -> int:  # fmt: skip
+    model: ModelSpec,
+    plan: ParallelPlan,
+    *,
+    global_batch: int,
+    seq_len: int,
+    precision: Precision,
+    optimizer_bytes_per_param: int,
+    gpu: GpuType | None = None,
+    calibration: Calibration | None = None,
+) -> int:
     """The predicted peak of ``plan``'s most loaded GPU, without the itemised breakdown."""
     constants = (calibration or default_calibration()).for_gpu(gpu)
     # The middle stages' peaks fall with their index (fewer micro-batches in flight, no more
     # layers), so the first, second and last stages bound them all.
     pp = plan.pp
     peaks = stage_peaks(
-        model, plan, global_batch=global_batch, seq_len=seq_len, precision=precision,
-        optimizer_bytes_per_param=optimizer_bytes_per_param, on_gpu=gpu is not None, stages=(0, 1, pp - 1) if pp > 2 else range(pp),
-    )  # fmt: skip
+        model,
+        plan,
+        global_batch=global_batch,
+        seq_len=seq_len,
+        precision=precision,
+        optimizer_bytes_per_param=optimizer_bytes_per_param,
+        on_gpu=gpu is not None,
+        stages=(0, 1, pp - 1) if pp > 2 else range(pp),
+    )
     tensors = max(sum(p) for p in peaks)
     return tensors + _runtime(constants, tensors)
 
@@ -254,9 +275,14 @@ def estimate(
     None: the tensors alone, as MemTracker measures them on CPU)."""
     constants = (calibration or default_calibration()).for_gpu(gpu)
     peaks = stage_peaks(
-        model, plan, global_batch=global_batch, seq_len=seq_len, precision=precision,
-        optimizer_bytes_per_param=optimizer_bytes_per_param, on_gpu=gpu is not None,
-    )  # fmt: skip
+        model,
+        plan,
+        global_batch=global_batch,
+        seq_len=seq_len,
+        precision=precision,
+        optimizer_bytes_per_param=optimizer_bytes_per_param,
+        on_gpu=gpu is not None,
+    )
     # model_construct: every field is a non-negative int by construction; the allocator calls
     # this for every candidate plan, and validation would cost more than the arithmetic.
     return MemoryEstimate.model_construct(
@@ -269,8 +295,9 @@ def estimate(
     )
 
 
-def _zero_peak(model: ModelSpec, plan: ParallelPlan, moments: Moments, micro_batches: int, optimizer_bytes_per_param: int,
-               on_gpu: bool) -> Breakdown:
+def _zero_peak(
+    model: ModelSpec, plan: ParallelPlan, moments: Moments, micro_batches: int, optimizer_bytes_per_param: int, on_gpu: bool
+) -> Breakdown:
     """(params, grads, optimizer, saved, transient) at the peak of the worst data-parallel rank
     under DeepSpeed's ZeRO (tp = pp = 1, fp32 weights), as DeepSpeed 0.19 allocates:
 

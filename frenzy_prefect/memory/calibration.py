@@ -47,7 +47,7 @@ class Calibration(BaseModel):
         return self.gpus.get(gpu.name) or GpuConstants(overhead_bytes=gpu.runtime_overhead_bytes, note="catalog assumption")
 
     @classmethod
-    def load(cls, path: str | Path) -> "Calibration":
+    def load(cls, path: str | Path) -> Calibration:
         try:
             return cls.model_validate_json(Path(path).read_text())
         except OSError as exc:

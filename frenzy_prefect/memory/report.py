@@ -16,10 +16,7 @@ PerRank = list[tuple[int, MemoryBreakdown]]
 
 def memory_json(plan: ParallelPlan, per_rank: PerRank) -> dict[str, Any]:
     """The estimate/measure schema: the peak over ranks, then every rank (with its stage) and its breakdown."""
-    ranks = [
-        {"rank": rank, "stage": plan.coordinates(rank)[0], "peak_bytes": b.total, "breakdown": b.model_dump()}
-        for rank, b in per_rank
-    ]
+    ranks = [{"rank": rank, "stage": plan.coordinates(rank)[0], "peak_bytes": b.total, "breakdown": b.model_dump()} for rank, b in per_rank]
     return {"peak_bytes": max(r["peak_bytes"] for r in ranks), "per_rank": ranks, "plan": plan.model_dump()}
 
 
@@ -32,7 +29,12 @@ def estimated_per_rank(spec: ModelSpec, plan: ParallelPlan, request: TrainingReq
     """Every rank's predicted breakdown: the estimate of its pipeline stage (with ``gpu``'s calibrated
     overhead when given, tensors only otherwise)."""
     result = estimate(
-        spec, plan, global_batch=request.global_batch, seq_len=request.seq_len, precision=request.precision,
-        optimizer_bytes_per_param=request.optimizer.state_bytes_per_parameter, gpu=gpu,
-    )  # fmt: skip
+        spec,
+        plan,
+        global_batch=request.global_batch,
+        seq_len=request.seq_len,
+        precision=request.precision,
+        optimizer_bytes_per_param=request.optimizer.state_bytes_per_parameter,
+        gpu=gpu,
+    )
     return [(rank, result.per_stage[plan.coordinates(rank)[0]]) for rank in range(plan.gpus)]

@@ -13,9 +13,7 @@ def token_format(uri: str) -> TokenFormat:
     for suffix, fmt in SUFFIX_FORMATS.items():
         if uri.endswith(suffix):
             return fmt
-    raise DatasetError(
-        f"dataset {uri} has an unknown format; accepted: " + ", ".join(f"*{s} ({f})" for s, f in SUFFIX_FORMATS.items())
-    )
+    raise DatasetError(f"dataset {uri} has an unknown format; accepted: " + ", ".join(f"*{s} ({f})" for s, f in SUFFIX_FORMATS.items()))
 
 
 def profile_dataset(uri: str, seq_len: int, vocab_size: int) -> DatasetInfo:

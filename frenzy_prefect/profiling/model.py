@@ -76,9 +76,7 @@ def _load(model: str | dict[str, Any]) -> ModelSpec:
     if model in PRESETS:
         return PRESETS[model]
     if not model.endswith(".json"):
-        raise FrenzyError(
-            f"model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a path to an HF-style config.json"
-        )
+        raise FrenzyError(f"model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a path to an HF-style config.json")
     try:
         with open_uri(model, "r") as f:
             config = json.load(f)

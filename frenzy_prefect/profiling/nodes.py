@@ -80,8 +80,9 @@ def _gpu(pynvml, index: int) -> GpuInfo:  # noqa: ANN001 - the pynvml module
             return None
 
     name = pynvml.nvmlDeviceGetName(handle)
-    links = sum(optional(pynvml.nvmlDeviceGetNvLinkState, link) == pynvml.NVML_FEATURE_ENABLED
-                for link in range(pynvml.NVML_NVLINK_MAX_LINKS))
+    links = sum(
+        optional(pynvml.nvmlDeviceGetNvLinkState, link) == pynvml.NVML_FEATURE_ENABLED for link in range(pynvml.NVML_NVLINK_MAX_LINKS)
+    )
     return GpuInfo(
         index=index,
         name=name.decode() if isinstance(name, bytes) else name,
@@ -99,5 +100,6 @@ def node_of(name: str, host: str, gpus: list[GpuInfo]) -> Node:
     types = {catalog_type(g.name, g.memory_bytes) for g in gpus}
     if len(types) > 1:
         raise FrenzyError(f"node {name!r} mixes GPU types ({', '.join(sorted(types))}); declare it as one node per type in a cluster file")
-    return Node(name=name, host=host, gpu_type=types.pop(), gpu_count=len(gpus),
-                gpu_memory_gib=round(min(g.memory_bytes for g in gpus) / GIB, 2))
+    return Node(
+        name=name, host=host, gpu_type=types.pop(), gpu_count=len(gpus), gpu_memory_gib=round(min(g.memory_bytes for g in gpus) / GIB, 2)
+    )

@@ -36,8 +36,18 @@ class PlanCache:
     """``plan_on_demand``: a key beyond ``max_failures`` is planned when first asked for and kept
     (for simulations, which meet many keys; a training run precomputes what it may need)."""
 
-    def __init__(self, dp: int, pp: int, microbatches: int, costs: StageCosts, *, max_failures: int = 1,
-                 planner_name: str = "heuristic", memory_bound: MemoryBound = None, plan_on_demand: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        dp: int,
+        pp: int,
+        microbatches: int,
+        costs: StageCosts,
+        *,
+        max_failures: int = 1,
+        planner_name: str = "heuristic",
+        memory_bound: MemoryBound = None,
+        plan_on_demand: bool = False,
+    ) -> None:
         if max_failures < 0:
             raise RecycleInputError(f"max_failures must be >= 0, got {max_failures}")
         self.dp, self.pp, self.microbatches, self.max_failures = dp, pp, microbatches, max_failures

@@ -15,9 +15,16 @@ from frenzy_prefect.recycle.timeline import run_timeline, steady_state_period_s
 
 
 def plan_case(
-    dp: int, pp: int, microbatches: int, failed_stages: Iterable[int], *, planner_name: str = "heuristic",
-    step_s: float = 1.0, memory_bound: int | None = None, actions: bool = False,
-) -> dict[str, Any]:  # fmt: skip
+    dp: int,
+    pp: int,
+    microbatches: int,
+    failed_stages: Iterable[int],
+    *,
+    planner_name: str = "heuristic",
+    step_s: float = 1.0,
+    memory_bound: int | None = None,
+    actions: bool = False,
+) -> dict[str, Any]:
     """Plan the case where workers of ``failed_stages`` (0-based, one entry per failed worker) are
     gone, with F:B:W costs following from a fault-free iteration of ``step_s`` seconds. The result
     is the `recycle plan --json` schema; with ``actions``, also every worker's action list."""
@@ -31,17 +38,31 @@ def plan_case(
     stages = []
     for s in range(pp):
         live = result.schedule.live(s)
-        stages.append({
-            "stage": s, "live_workers": len(live),
-            "microbatches_per_worker": [result.schedule.compute_counts((p, s)) for p in live],
-            "bubble_fraction": sum(timeline.bubble_fraction((p, s)) for p in live) / len(live),
-        })  # fmt: skip
+        stages.append(
+            {
+                "stage": s,
+                "live_workers": len(live),
+                "microbatches_per_worker": [result.schedule.compute_counts((p, s)) for p in live],
+                "bubble_fraction": sum(timeline.bubble_fraction((p, s)) for p in live) / len(live),
+            }
+        )
     out = {
-        "dp": dp, "pp": pp, "microbatches": microbatches, "failures_per_stage": list(key), "planner": result.planner,
-        "status": result.status, "mip_gap": result.mip_gap, "iteration_s": result.iteration_s, "fault_free_s": result.fault_free_s,
-        "relative_throughput": result.relative_throughput, "planner_wall_s": result.planner_wall_s, "memory_bound": memory_bound,
-        "steady_state_period_s": period, "steady_state_relative_throughput": fault_free_period / period, "stages": stages,
-    }  # fmt: skip
+        "dp": dp,
+        "pp": pp,
+        "microbatches": microbatches,
+        "failures_per_stage": list(key),
+        "planner": result.planner,
+        "status": result.status,
+        "mip_gap": result.mip_gap,
+        "iteration_s": result.iteration_s,
+        "fault_free_s": result.fault_free_s,
+        "relative_throughput": result.relative_throughput,
+        "planner_wall_s": result.planner_wall_s,
+        "memory_bound": memory_bound,
+        "steady_state_period_s": period,
+        "steady_state_relative_throughput": fault_free_period / period,
+        "stages": stages,
+    }
     if actions:
         out["actions"] = {f"{p},{s}": result.schedule.render((p, s)) for p, s in sorted(result.schedule.programs)}
     return out

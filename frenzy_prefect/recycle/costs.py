@@ -44,9 +44,10 @@ class StageCosts(BaseModel):
     optimizer_s: tuple[NonNegativeFloat, ...] = Field(min_length=1)
 
     @model_validator(mode="after")
-    def _same_length(self) -> "StageCosts":
-        lengths = {len(x) for x in (self.forward_s, self.backward_input_s, self.backward_weight_s, self.gradient_transfer_s,
-                                    self.optimizer_s)}
+    def _same_length(self) -> StageCosts:
+        lengths = {
+            len(x) for x in (self.forward_s, self.backward_input_s, self.backward_weight_s, self.gradient_transfer_s, self.optimizer_s)
+        }
         if len(lengths) != 1:
             raise ValueError(
                 "forward_s, backward_input_s, backward_weight_s, gradient_transfer_s and optimizer_s need one entry per stage each"
@@ -69,12 +70,25 @@ class StageCosts(BaseModel):
         return ring_all_reduce_factor(peers) * self.gradient_transfer_s[stage]
 
     @classmethod
-    def uniform(cls, pp: int, forward: float = 1.0, backward_input: float = 1.0, backward_weight: float = 1.0, *,
-                p2p: float = 0.0, gradient_transfer: float = 0.0, optimizer: float = 0.0) -> "StageCosts":  # fmt: skip
+    def uniform(
+        cls,
+        pp: int,
+        forward: float = 1.0,
+        backward_input: float = 1.0,
+        backward_weight: float = 1.0,
+        *,
+        p2p: float = 0.0,
+        gradient_transfer: float = 0.0,
+        optimizer: float = 0.0,
+    ) -> StageCosts:
         return cls(
-            forward_s=[forward] * pp, backward_input_s=[backward_input] * pp, backward_weight_s=[backward_weight] * pp,
-            p2p_s=p2p, gradient_transfer_s=[gradient_transfer] * pp, optimizer_s=[optimizer] * pp,
-        )  # fmt: skip
+            forward_s=[forward] * pp,
+            backward_input_s=[backward_input] * pp,
+            backward_weight_s=[backward_weight] * pp,
+            p2p_s=p2p,
+            gradient_transfer_s=[gradient_transfer] * pp,
+            optimizer_s=[optimizer] * pp,
+        )
 
     @classmethod
     def from_model(
@@ -88,13 +102,14 @@ class StageCosts(BaseModel):
         gpu: GpuType,
         network_gbps: float | None = None,
         split: tuple[float, float, float] = ZERO_BUBBLE_SPLIT,
-    ) -> "StageCosts":
+    ) -> StageCosts:
         """Costs from the allocator's throughput model (``predict_step`` and its pieces): its
         bubble-free compute of one GPU's step divided over the micro-batches and split F : B : W
         (balanced stages, as the model assumes), tensor-parallel all-reduces added to F and B, the
         stage boundary send, and each stage's own gradient bytes and optimizer step."""
-        step = predict_step(model, plan, global_batch=global_batch, seq_len=seq_len, precision=precision, gpu=gpu,
-                            network_gbps=network_gbps)
+        step = predict_step(
+            model, plan, global_batch=global_batch, seq_len=seq_len, precision=precision, gpu=gpu, network_gbps=network_gbps
+        )
         micro_batches = plan.accumulation(global_batch)
         compute = step.compute_at_peak_s / step.achievable_fraction / (1 + (plan.pp - 1) / micro_batches) / micro_batches
         tp = tensor_parallel_s(model, plan, seq_len, precision, gpu) / 2  # half in the forward, half in the backward

@@ -56,4 +56,6 @@ def costs_from_fault_free_step(
     unit = StageCosts.uniform(pp, f, b, w, p2p=p2p_per_forward * f)
     scale = (step_s - allreduce - optimizer) / fault_free_iteration_s(unit, dp, pp, microbatches)
     transfer = allreduce / ring_all_reduce_factor(dp) if dp > 1 else 0.0
-    return StageCosts.uniform(pp, f * scale, b * scale, w * scale, p2p=p2p_per_forward * f * scale, gradient_transfer=transfer, optimizer=optimizer)
+    return StageCosts.uniform(
+        pp, f * scale, b * scale, w * scale, p2p=p2p_per_forward * f * scale, gradient_transfer=transfer, optimizer=optimizer
+    )

@@ -44,14 +44,27 @@ def in_flight_peak(schedule: Schedule, worker: Worker) -> int:
 
 
 def in_flight_bound(
-    model: ModelSpec, plan: ParallelPlan, gpu: GpuType, *, global_batch: int, seq_len: int, precision: Precision,
+    model: ModelSpec,
+    plan: ParallelPlan,
+    gpu: GpuType,
+    *,
+    global_batch: int,
+    seq_len: int,
+    precision: Precision,
     optimizer_bytes_per_param: int = 8,
-) -> list[int]:  # fmt: skip
+) -> list[int]:
     """Per stage, how many micro-batches fit in flight on one GPU: the GPU's memory less everything
     MARP's estimate puts there besides saved activations (model states, transients, runtime
     overhead) and the step's token ids, divided by one in-flight micro-batch's bytes."""
-    memory = estimate(model, plan, global_batch=global_batch, seq_len=seq_len, precision=precision,
-                      optimizer_bytes_per_param=optimizer_bytes_per_param, gpu=gpu)  # fmt: skip
+    memory = estimate(
+        model,
+        plan,
+        global_batch=global_batch,
+        seq_len=seq_len,
+        precision=precision,
+        optimizer_bytes_per_param=optimizer_bytes_per_param,
+        gpu=gpu,
+    )
     terms = micro_batch_terms(model, plan.tp, plan.micro_batch, seq_len, precision, plan.recompute, plan.zero == 3)
     ids = plan.accumulation(global_batch) * terms.ids
     layers = stage_layer_counts(model.layers, plan.pp)

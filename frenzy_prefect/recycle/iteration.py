@@ -179,12 +179,10 @@ def load_step_time_table(path: Path) -> StepTimeTable:
         raise FrenzyError(f"cannot read step-time table {path}: {exc.strerror}") from None
     except json.JSONDecodeError as exc:
         raise FrenzyError(
-            f"{path}:{exc.lineno}:{exc.colno}: not JSON ({exc.msg}); expected {{\"alive workers\": step seconds, ...}}"
+            f'{path}:{exc.lineno}:{exc.colno}: not JSON ({exc.msg}); expected {{"alive workers": step seconds, ...}}'
         ) from None
     if not isinstance(raw, dict) or not raw:
-        raise FrenzyError(
-            f"{path}: expected a non-empty JSON object {{\"alive workers\": step seconds, ...}}, e.g. {{\"32\": 1.2, \"16\": 2.3}}"
-        )
+        raise FrenzyError(f'{path}: expected a non-empty JSON object {{"alive workers": step seconds, ...}}, e.g. {{"32": 1.2, "16": 2.3}}')
     seconds: dict[int, float] = {}
     for key, value in raw.items():
         if not str(key).isdigit() or int(key) <= 0:

@@ -139,8 +139,15 @@ def _resume(decision: Decision, membership: Membership, knobs: Knobs) -> Decisio
     meanwhile, else from the survivors' states."""
     wiped = bool(membership.lost_stages())
     kind = "checkpoint-restart" if wiped or decision.rollback else "reconfigure"
-    return replace(decision, kind=kind, rollback=wiped or decision.rollback, keep_in_flight=False, restore_state=True,
-                   pause_s=max(decision.pause_s, knobs.restart_s), note=decision.note + "; resumed after a stall")
+    return replace(
+        decision,
+        kind=kind,
+        rollback=wiped or decision.rollback,
+        keep_in_flight=False,
+        restore_state=True,
+        pause_s=max(decision.pause_s, knobs.restart_s),
+        note=decision.note + "; resumed after a stall",
+    )
 
 
 def _window(trace: FailureTrace, samples_per_iteration: int, horizon_s: float | None) -> tuple[float, float]:
@@ -164,8 +171,9 @@ class _Replayed:
         self.workers_at_start = 0
 
 
-def _replay(model: IterationModel, trace: FailureTrace, policy: Policy, knobs: Knobs, membership: Membership,
-            run: _Run, start: float, end: float) -> _Replayed:  # fmt: skip
+def _replay(
+    model: IterationModel, trace: FailureTrace, policy: Policy, knobs: Knobs, membership: Membership, run: _Run, start: float, end: float
+) -> _Replayed:
     """Feed the trace's events before ``end``, grouped by time, to the membership and the policy,
     and apply each decision to the run."""
     out = _Replayed()
@@ -193,10 +201,19 @@ def _replay(model: IterationModel, trace: FailureTrace, policy: Policy, knobs: K
         lost = run.apply(decision)
         if decision.restore_state:
             membership.restore_state()
-        out.events.append(RecoveryEvent(
-            time_s=now - start, kind=decision.kind, grid=decision.grid, iteration_s=decision.iteration_s,
-            downtime_s=decision.pause_s, delay_s=decision.delay_s, lost_samples=lost, workers=membership.occupied, note=decision.note,
-        ))
+        out.events.append(
+            RecoveryEvent(
+                time_s=now - start,
+                kind=decision.kind,
+                grid=decision.grid,
+                iteration_s=decision.iteration_s,
+                downtime_s=decision.pause_s,
+                delay_s=decision.delay_s,
+                lost_samples=lost,
+                workers=membership.occupied,
+                note=decision.note,
+            )
+        )
     return out
 
 
@@ -229,13 +246,29 @@ def simulate(
     span_throughput = run.completed / span if span > 0 else 0.0
     counts = dict(Counter(e.kind for e in events))
     return ResilienceResult(
-        policy=type(policy).name, trace=trace.name, dp=model.dp, pp=model.pp, microbatches=model.microbatches,
-        samples_per_iteration=samples_per_iteration, start_s=start, horizon_s=horizon, workers_at_start=replayed.workers_at_start,
-        completed_samples=run.completed, throughput=throughput, span_throughput=span_throughput,
-        fault_free_throughput=fault_free, ratio=throughput / fault_free, span_ratio=span_throughput / fault_free,
+        policy=type(policy).name,
+        trace=trace.name,
+        dp=model.dp,
+        pp=model.pp,
+        microbatches=model.microbatches,
+        samples_per_iteration=samples_per_iteration,
+        start_s=start,
+        horizon_s=horizon,
+        workers_at_start=replayed.workers_at_start,
+        completed_samples=run.completed,
+        throughput=throughput,
+        span_throughput=span_throughput,
+        fault_free_throughput=fault_free,
+        ratio=throughput / fault_free,
+        span_ratio=span_throughput / fault_free,
         first_iteration_start_s=None if run.first_start is None else run.first_start - start,
         last_iteration_end_s=None if run.last_end is None else run.last_end - start,
-        downtime_s=sum(e.downtime_s for e in events if e.kind != "start"), stalled_s=run.stalled_s,
-        lost_samples=sum(e.lost_samples for e in events), counts=counts, stage_wipeouts=replayed.wipeouts,
-        nodes_outside_grid=len(membership.outside_grid), spare_fills=membership.spare_fills, events=events,
+        downtime_s=sum(e.downtime_s for e in events if e.kind != "start"),
+        stalled_s=run.stalled_s,
+        lost_samples=sum(e.lost_samples for e in events),
+        counts=counts,
+        stage_wipeouts=replayed.wipeouts,
+        nodes_outside_grid=len(membership.outside_grid),
+        spare_fills=membership.spare_fills,
+        events=events,
     )

@@ -127,11 +127,11 @@ class Schedule(BaseModel):
         """Micro-batches this worker runs (its F actions)."""
         return sum(1 for a in self.programs.get(worker, ()) if a.kind == ActionKind.F)
 
-    def replaced(self, worker: Worker, program: Sequence[Action]) -> "Schedule":
+    def replaced(self, worker: Worker, program: Sequence[Action]) -> Schedule:
         """A copy with one worker's program replaced (tests mutate schedules this way)."""
         return self.model_copy(update={"programs": {**self.programs, worker: tuple(program)}})
 
-    def relabelled(self, maps: Sequence[Sequence[int]]) -> "Schedule":
+    def relabelled(self, maps: Sequence[Sequence[int]]) -> Schedule:
         """The same schedule on other workers: ``maps[s][p]`` is the pipeline that stage s's
         worker p becomes (see failures.pipeline_maps). Micro-batch owners keep their labels."""
 
@@ -140,9 +140,7 @@ class Schedule(BaseModel):
 
         programs = {}
         for (p, s), program in self.programs.items():
-            programs[(maps[s][p], s)] = tuple(
-                a._replace(peer=maps[peer_stage(a, s)][a.peer]) if a.peer >= 0 else a for a in program
-            )
+            programs[(maps[s][p], s)] = tuple(a._replace(peer=maps[peer_stage(a, s)][a.peer]) if a.peer >= 0 else a for a in program)
         failed = frozenset((maps[s][p], s) for p, s in self.failed)
         return self.model_copy(update={"programs": programs, "failed": failed})
 
@@ -197,7 +195,5 @@ def one_f_one_b(dp: int, pp: int, microbatches: int) -> Schedule:
     """The fault-free schedule: every pipeline runs 1F1B over its own micro-batches; stage s warms
     up with pp - s - 1 forwards, so it holds at most pp - s micro-batches in flight."""
     check_shape(dp, pp, microbatches)
-    orders = {
-        (p, s): one_f_one_b_order([(p, j) for j in range(microbatches)], pp - s - 1) for p in range(dp) for s in range(pp)
-    }
+    orders = {(p, s): one_f_one_b_order([(p, j) for j in range(microbatches)], pp - s - 1) for p in range(dp) for s in range(pp)}
     return assemble(dp, pp, microbatches, frozenset(), orders)

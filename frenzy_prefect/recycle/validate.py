@@ -168,7 +168,7 @@ def _memory_violations(schedule: Schedule, memory_bound: MemoryBound) -> list[st
     if bounds is None:
         return []
     out: list[str] = []
-    for (p, s) in schedule.programs:
+    for p, s in schedule.programs:
         peak = in_flight_peak(schedule, (p, s))
         if peak > bounds[s]:
             out.append(f"(pipeline {p}, stage {s}) holds {peak} micro-batches in flight; the memory bound of stage {s} is {bounds[s]}")

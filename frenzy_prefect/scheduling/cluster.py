@@ -110,7 +110,7 @@ class SimCluster:
         buckets[len(free)][name] = self.node[name]
         self.free[name] = free
 
-    def copy(self) -> "SimCluster":
+    def copy(self) -> SimCluster:
         """An independent copy of the free GPUs and runs (to time a decision on a snapshot)."""
         twin = object.__new__(SimCluster)
         twin.spec, twin.nodes_of, twin.gpu, twin.total, twin.node_gpus = self.spec, self.nodes_of, self.gpu, self.total, self.node_gpus

@@ -23,6 +23,7 @@ from frenzy_prefect.errors import FrenzyError, describe_validation_error
 from frenzy_prefect.spec.cluster import ClusterSpec, Node
 from frenzy_prefect.spec.gpu import GpuType
 
+
 def shared_traces() -> Path:
     """The team's public traces: $FRENZY_TRACES, or shared/data/traces beside a parent directory
     of this package (where the team's checkouts live)."""

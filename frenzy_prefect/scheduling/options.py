@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 from frenzy_prefect.allocator.plans import plan_space
 from frenzy_prefect.allocator.step_time import predict_step
@@ -34,7 +34,7 @@ def _workload(global_batch: int) -> dict:
     return {"global_batch": global_batch, "seq_len": SEQ_LEN, "precision": PRECISION}
 
 
-@lru_cache(maxsize=None)
+@cache
 def option(model: str, global_batch: int, gpu: GpuType, plan: ParallelPlan, network_gbps: float) -> Option:
     """``plan`` on ``gpu`` with its predicted peak and step times (in one node; across nodes)."""
     spec = PRESETS[model]
@@ -45,7 +45,7 @@ def option(model: str, global_batch: int, gpu: GpuType, plan: ParallelPlan, netw
     return Option(gpu_type=gpu.name, plan=plan, peak_bytes=peak, step_s=inside, spread_step_s=across, gpus=plan.gpus)
 
 
-@lru_cache(maxsize=None)
+@cache
 def frontier(model: str, global_batch: int, gpu: GpuType, max_gpus: int, node_gpus: int, network_gbps: float) -> tuple[Option, ...]:
     """The fitting plans on ``gpu`` worth running, by GPU count ascending, each strictly faster
     than every smaller one (step time as placed: one node if the plan fits in one)."""
@@ -69,7 +69,7 @@ def frontier(model: str, global_batch: int, gpu: GpuType, max_gpus: int, node_gp
     return tuple(out)
 
 
-@lru_cache(maxsize=None)
+@cache
 def naive_plans(global_batch: int, requested_gpus: int, largest_pool: int) -> tuple[ParallelPlan, ...]:
     """What a user without a memory model runs, attempt after attempt: plain data parallelism
     on the requested GPUs (at most the largest pool; as many as divide the batch), one

@@ -1,16 +1,16 @@
 """Boundary objects: what a user asks for, what the cluster is, and what the allocator decides."""
 
 from frenzy_prefect.spec.cluster import ClusterSpec, ClusterState, Node
-from frenzy_prefect.spec.gpu import GpuType
 from frenzy_prefect.spec.dataset import DatasetInfo
+from frenzy_prefect.spec.gpu import GpuType
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import (
     Allocation,
     MemoryBreakdown,
     MemoryEstimate,
     ParallelPlan,
-    PlanCandidate,
     Placement,
+    PlanCandidate,
     TrainingJob,
 )
 from frenzy_prefect.spec.request import OptimizerSettings, TrainingRequest

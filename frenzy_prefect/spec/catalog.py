@@ -14,9 +14,15 @@ from frenzy_prefect.units import GIB
 
 
 def _gpu(
-    name: str, memory_mib: int, half_tflops: float, fp32_tflops: float, link_gbps: float, memory_gbps: float, achievable: float,
+    name: str,
+    memory_mib: int,
+    half_tflops: float,
+    fp32_tflops: float,
+    link_gbps: float,
+    memory_gbps: float,
+    achievable: float,
     bf16: bool = True,
-) -> GpuType:  # fmt: skip
+) -> GpuType:
     return GpuType(
         name=name,
         memory_bytes=memory_mib * 1024**2,

@@ -21,9 +21,7 @@ class Node(BaseModel):
     host: str = Field(min_length=1, description="Where its ranks run: 127.0.0.1 for the local launcher.")
     gpu_type: str
     gpu_count: PositiveInt
-    gpu_memory_gib: PositiveFloat | None = Field(
-        default=None, description="Per-GPU memory; defaults to the GPU type's."
-    )
+    gpu_memory_gib: PositiveFloat | None = Field(default=None, description="Per-GPU memory; defaults to the GPU type's.")
 
 
 class ClusterSpec(BaseModel):
@@ -33,13 +31,11 @@ class ClusterSpec(BaseModel):
 
     name: str = "cluster"
     nodes: list[Node] = Field(min_length=1)
-    gpu_types: dict[str, GpuType] = Field(
-        default_factory=dict, description="Types the built-in catalog lacks (or overrides)."
-    )
+    gpu_types: dict[str, GpuType] = Field(default_factory=dict, description="Types the built-in catalog lacks (or overrides).")
     network_gbps: PositiveFloat = Field(default=3.125, description="Bandwidth between nodes, GB/s (25 Gb/s).")
 
     @model_validator(mode="after")
-    def _check(self) -> "ClusterSpec":
+    def _check(self) -> ClusterSpec:
         names = [n.name for n in self.nodes]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
@@ -64,7 +60,7 @@ class ClusterSpec(BaseModel):
         return gpu.model_copy(update={"memory_bytes": int(node.gpu_memory_gib * GIB)})
 
     @classmethod
-    def from_file(cls, path: str | Path, gpu_types: dict[str, GpuType] | None = None) -> "ClusterSpec":
+    def from_file(cls, path: str | Path, gpu_types: dict[str, GpuType] | None = None) -> ClusterSpec:
         """A YAML or JSON cluster file (``gpu_types``: declarations of types it may use beyond
         the catalog's and its own); FrenzyError if it is missing or not a mapping."""
         try:
@@ -90,5 +86,5 @@ class ClusterState(BaseModel):
     free_gpus: dict[str, list[int]]
 
     @classmethod
-    def idle(cls, cluster: ClusterSpec) -> "ClusterState":
+    def idle(cls, cluster: ClusterSpec) -> ClusterState:
         return cls(cluster=cluster, free_gpus={n.name: list(range(n.gpu_count)) for n in cluster.nodes})

@@ -26,7 +26,9 @@ def check_plan(model: ModelSpec, plan: ParallelPlan) -> None:
     if plan.pp > model.layers:
         raise FrenzyError(f"pp ({plan.pp}) must not exceed the number of layers ({model.layers}); accepted: 1..{model.layers}")
     if plan.zero and (plan.tp > 1 or plan.pp > 1):
-        raise FrenzyError(f"zero={plan.zero} is modelled as DeepSpeed runs it here, over data parallelism only; use tp=1 and pp=1, or zero=0 with tp/pp")
+        raise FrenzyError(
+            f"zero={plan.zero} is modelled as DeepSpeed runs it here, over data parallelism only; use tp=1 and pp=1, or zero=0 with tp/pp"
+        )
 
 
 def uses_ddp(plan: ParallelPlan) -> bool:

@@ -37,12 +37,9 @@ class ModelSpec(BaseModel):
         return data
 
     @model_validator(mode="after")
-    def _check_shape(self) -> "ModelSpec":
+    def _check_shape(self) -> ModelSpec:
         if self.hidden % self.heads:
-            raise ValueError(
-                f"hidden ({self.hidden}) must be divisible by heads ({self.heads}); "
-                f"accepted head counts divide {self.hidden}"
-            )
+            raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads}); accepted head counts divide {self.hidden}")
         return self
 
     @property

@@ -35,8 +35,7 @@ class ParallelPlan(BaseModel):
         per_step = self.dp * self.micro_batch
         if global_batch % per_step:
             raise FrenzyError(
-                f"global_batch ({global_batch}) must be divisible by dp * micro_batch "
-                f"({self.dp} * {self.micro_batch} = {per_step})"
+                f"global_batch ({global_batch}) must be divisible by dp * micro_batch ({self.dp} * {self.micro_batch} = {per_step})"
             )
         return global_batch // per_step
 
@@ -49,10 +48,7 @@ class ParallelPlan(BaseModel):
         return (stage * self.dp + replica) * self.tp + tp_rank
 
     def label(self) -> str:
-        return (
-            f"dp={self.dp} tp={self.tp} pp={self.pp} mb={self.micro_batch} "
-            f"zero={self.zero} recompute={self.recompute}"
-        )
+        return f"dp={self.dp} tp={self.tp} pp={self.pp} mb={self.micro_batch} zero={self.zero} recompute={self.recompute}"
 
 
 class MemoryBreakdown(BaseModel):
@@ -119,7 +115,7 @@ class Allocation(PlanCandidate):
     placements: list[Placement] = Field(min_length=1)
 
     @model_validator(mode="after")
-    def _check_count(self) -> "Allocation":
+    def _check_count(self) -> Allocation:
         placed = sum(len(p.gpus) for p in self.placements)
         if placed != self.plan.gpus:
             raise ValueError(f"placements hold {placed} GPUs but the plan needs {self.plan.gpus}")

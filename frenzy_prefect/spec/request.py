@@ -35,10 +35,7 @@ class TrainingRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | dict[str, Any] = Field(
-        description=(
-            "A preset name (see `frenzy presets`), a path or URI of an HF-style config.json, "
-            "or the config itself as a mapping."
-        ),
+        description=("A preset name (see `frenzy presets`), a path or URI of an HF-style config.json, or the config itself as a mapping."),
     )
     dataset: str = Field(
         description="URI of the tokenised dataset: *.txt (UTF-8 bytes as tokens) or *.bin (uint16 token ids).",

@@ -35,7 +35,7 @@ class DistributedContext(BaseModel):
     local_rank: NonNegativeInt = 0
 
     @classmethod
-    def from_env(cls) -> "DistributedContext":
+    def from_env(cls) -> DistributedContext:
         return cls(
             rank=int(os.environ.get("RANK", 0)),
             world_size=int(os.environ.get("WORLD_SIZE", 1)),

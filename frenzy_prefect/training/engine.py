@@ -77,15 +77,24 @@ class Groups:
     tied: object  # first and last stage of this pipeline, which share the embedding
 
     @classmethod
-    def build(cls, plan: ParallelPlan, rank: int) -> "Groups":
+    def build(cls, plan: ParallelPlan, rank: int) -> Groups:
         stage, replica, tp_rank = plan.coordinates(rank)
         # Every rank creates every group, in the same order (torch.distributed requires it).
-        tp_groups = {(s, d): dist.new_group([plan.rank_of(s, d, t) for t in range(plan.tp)])
-                     for s in range(plan.pp) for d in range(plan.dp)}
-        dp_groups = {(s, t): dist.new_group([plan.rank_of(s, d, t) for d in range(plan.dp)])
-                     for s in range(plan.pp) for t in range(plan.tp)}
-        tied = {(d, t): dist.new_group([plan.rank_of(0, d, t), plan.rank_of(plan.pp - 1, d, t)])
-                for d in range(plan.dp) for t in range(plan.tp)} if plan.pp > 1 else {}
+        tp_groups = {
+            (s, d): dist.new_group([plan.rank_of(s, d, t) for t in range(plan.tp)]) for s in range(plan.pp) for d in range(plan.dp)
+        }
+        dp_groups = {
+            (s, t): dist.new_group([plan.rank_of(s, d, t) for d in range(plan.dp)]) for s in range(plan.pp) for t in range(plan.tp)
+        }
+        tied = (
+            {
+                (d, t): dist.new_group([plan.rank_of(0, d, t), plan.rank_of(plan.pp - 1, d, t)])
+                for d in range(plan.dp)
+                for t in range(plan.tp)
+            }
+            if plan.pp > 1
+            else {}
+        )
         return cls(
             tp=TensorParallel(rank=tp_rank, size=plan.tp, group=tp_groups[stage, replica]),
             dp=dp_groups[stage, tp_rank],
@@ -99,9 +108,18 @@ class Engine:
     """Builds this rank's model shard and optimizer; ``step`` runs one optimizer step."""
 
     def __init__(
-        self, spec: ModelSpec, plan: ParallelPlan, *, precision: Precision, optimizer: OptimizerSettings, accumulation: int,
-        seed: int = 0, rank: int = 0, device: torch.device = torch.device("cpu"), lr_factor: Callable[[int], float] = lambda step: 1.0,
-    ):  # fmt: skip
+        self,
+        spec: ModelSpec,
+        plan: ParallelPlan,
+        *,
+        precision: Precision,
+        optimizer: OptimizerSettings,
+        accumulation: int,
+        seed: int = 0,
+        rank: int = 0,
+        device: torch.device = torch.device("cpu"),
+        lr_factor: Callable[[int], float] = lambda step: 1.0,
+    ):
         check_engine_plan(spec, plan, precision)
         self.spec, self.plan, self.settings, self.device = spec, plan, optimizer, device
         self.stage, _, _ = plan.coordinates(rank)
@@ -123,9 +141,11 @@ class Engine:
         self.ddp = None
         if self.groups and uses_ddp(plan):
             self.ddp = DistributedDataParallel(
-                self.model, device_ids=[device.index] if device.type == "cuda" else None,
-                process_group=self.groups.dp, gradient_as_bucket_view=True,
-            )  # fmt: skip
+                self.model,
+                device_ids=[device.index] if device.type == "cuda" else None,
+                process_group=self.groups.dp,
+                gradient_as_bucket_view=True,
+            )
         self.optimizer = make_optimizer([p for p in self.model.parameters() if p.requires_grad], optimizer)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor)
         self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
@@ -140,9 +160,11 @@ class Engine:
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
         engine, _, _, _ = deepspeed.initialize(
-            model=self.model, optimizer=self.optimizer, lr_scheduler=self.schedule,
+            model=self.model,
+            optimizer=self.optimizer,
+            lr_scheduler=self.schedule,
             config=zero_config(self.spec, self.plan, accumulation, self.settings),
-        )  # fmt: skip
+        )
         return engine
 
     def _autocast(self):

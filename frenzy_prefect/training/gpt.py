@@ -74,8 +74,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, spec: ModelSpec, recompute: Recompute = "none", *, tp: TensorParallel = TensorParallel(), stage: int = 0,
-                 stages: int = 1):
+    def __init__(
+        self, spec: ModelSpec, recompute: Recompute = "none", *, tp: TensorParallel = TensorParallel(), stage: int = 0, stages: int = 1
+    ):
         super().__init__()
         self.spec = spec
         self.first, self.last = stage == 0, stage == stages - 1

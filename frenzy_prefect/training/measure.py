@@ -84,7 +84,7 @@ class _InBackward:
     def clear_user_hooks(self) -> None:
         pass
 
-    def __enter__(self) -> "_InBackward":
+    def __enter__(self) -> _InBackward:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -129,9 +129,14 @@ def measure_rank(work: Workload, ctx: DistributedContext) -> RankMemory:
     generator = torch.Generator().manual_seed(ctx.rank)
     with tracker:  # from before DeepSpeed's initialize, which allocates its flat buffers
         engine = Engine(
-            work.model, plan, precision=work.precision, optimizer=work.optimizer, accumulation=accumulation,
-            rank=ctx.rank, device=device,
-        )  # fmt: skip
+            work.model,
+            plan,
+            precision=work.precision,
+            optimizer=work.optimizer,
+            accumulation=accumulation,
+            rank=ctx.rank,
+            device=device,
+        )
         tracker.track_modules(engine.model)
         tracker.track_external(engine.optimizer)
         tracker.restart_peak()
@@ -164,9 +169,15 @@ def measure(work: Workload, timeout_s: float = 600) -> list[RankMemory]:
     with tempfile.TemporaryDirectory(prefix="frenzy-measure-") as out:
         (Path(out) / "work.json").write_text(work.model_dump_json())
         argv = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={work.plan.gpus}",
-            "-m", "frenzy_prefect.training.measure", out,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={work.plan.gpus}",
+            "-m",
+            "frenzy_prefect.training.measure",
+            out,
+        ]
         env = os.environ | {"OMP_NUM_THREADS": "1"}
         done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout_s)
         results = sorted(Path(out).glob("rank-*.json"))

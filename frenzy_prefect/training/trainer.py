@@ -50,9 +50,16 @@ def train(job: TrainingJob, ctx: DistributedContext, log: Callable[[str], None] 
     ctx.init_process_group()
     try:
         engine = Engine(
-            job.model, plan, precision=request.precision, optimizer=request.optimizer, accumulation=plan.accumulation(request.global_batch),
-            seed=request.seed, rank=ctx.rank, device=ctx.device, lr_factor=lambda s: lr_factor(s, request.steps, request.optimizer),
-        )  # fmt: skip
+            job.model,
+            plan,
+            precision=request.precision,
+            optimizer=request.optimizer,
+            accumulation=plan.accumulation(request.global_batch),
+            seed=request.seed,
+            rank=ctx.rank,
+            device=ctx.device,
+            lr_factor=lambda s: lr_factor(s, request.steps, request.optimizer),
+        )
         # Every rank's reads and rank 0's checkpoint go through `together`: a rank that cannot
         # reach storage fails the run with its reason, reported by rank 0.
         data = together(ctx, lambda: TokenWindows(job.dataset, request.seq_len))
@@ -76,8 +83,9 @@ def train(job: TrainingJob, ctx: DistributedContext, log: Callable[[str], None] 
         dist.destroy_process_group()
 
 
-def _run_steps(job: TrainingJob, ctx: DistributedContext, engine: Engine, data: TokenWindows, started: float,
-               log: Callable[[str], None]) -> list[float]:  # fmt: skip
+def _run_steps(
+    job: TrainingJob, ctx: DistributedContext, engine: Engine, data: TokenWindows, started: float, log: Callable[[str], None]
+) -> list[float]:
     """The training steps; returns each step's loss averaged over the ranks, logging some."""
     request, plan, device = job.request, job.allocation.plan, ctx.device
     accumulation = plan.accumulation(request.global_batch)

@@ -71,8 +71,10 @@ class Problem:
         fill = [sum(c.forward_s[:s]) + s * c.p2p_s for s in range(self.pp)]
         live = {s: sum(1 for w in self.hosted if w[1] == s) for s in range(self.pp)}
         tail = [c.allreduce_s(s, live[s]) + c.optimizer_s[s] for s in range(self.pp)]
-        work = max(fill[s] + len(mbs) * (c.forward_s[s] + c.backward_input_s[s] + c.backward_weight_s[s]) + tail[s]
-                   for (_, s), mbs in self.hosted.items())
+        work = max(
+            fill[s] + len(mbs) * (c.forward_s[s] + c.backward_input_s[s] + c.backward_weight_s[s]) + tail[s]
+            for (_, s), mbs in self.hosted.items()
+        )
         trip = sum(c.forward_s) + sum(c.backward_input_s) + 2 * (self.pp - 1) * c.p2p_s + c.backward_weight_s[0] + tail[0]
         return max(work, trip)
 
@@ -80,5 +82,14 @@ class Problem:
         return fault_free_iteration_s(self.costs, self.dp, self.pp, self.m)
 
     def result(self, schedule: Schedule, timeline: Timeline, planner: str, wall_s: float, status: Status, gap: float | None = None) -> Plan:
-        return Plan(key=self.key, schedule=schedule, iteration_s=timeline.iteration_s, fault_free_s=self.fault_free_s(),
-                    planner=planner, planner_wall_s=wall_s, status=status, mip_gap=gap, lower_bound_s=self.lower_bound_s())  # fmt: skip
+        return Plan(
+            key=self.key,
+            schedule=schedule,
+            iteration_s=timeline.iteration_s,
+            fault_free_s=self.fault_free_s(),
+            planner=planner,
+            planner_wall_s=wall_s,
+            status=status,
+            mip_gap=gap,
+            lower_bound_s=self.lower_bound_s(),
+        )

@@ -15,12 +15,11 @@ import heapq
 import time
 
 from frenzy_prefect.recycle.costs import StageCosts
+from frenzy_prefect.recycle.failures import Worker
 from frenzy_prefect.recycle.in_flight import MemoryBound
 from frenzy_prefect.recycle.planners.base import Plan, Problem
 from frenzy_prefect.recycle.schedule import ComputeItem, Schedule, assemble
-from frenzy_prefect.recycle.failures import Worker
 from frenzy_prefect.recycle.timeline import Timeline, compute_needs, run_timeline
-
 
 Ready = dict[tuple[int, int], float]  # (pipeline, micro) -> when its inputs are there
 

@@ -212,8 +212,16 @@ def solve(problem: Problem, fb_orders: dict[Worker, list[ComputeItem]], time_lim
     return Solved(_orders(fb_orders, cols.n_of, result["x"]), result["status"] == 0, bound)
 
 
-def plan(dp: int, pp: int, microbatches: int, failures_per_stage, costs: StageCosts, memory_bound: MemoryBound = None,
-         *, time_limit_s: float = TIME_LIMIT_S) -> Plan:  # fmt: skip
+def plan(
+    dp: int,
+    pp: int,
+    microbatches: int,
+    failures_per_stage,
+    costs: StageCosts,
+    memory_bound: MemoryBound = None,
+    *,
+    time_limit_s: float = TIME_LIMIT_S,
+) -> Plan:
     started = time.perf_counter()
     problem = Problem(dp, pp, microbatches, failures_per_stage, costs, memory_bound)
     seed, seed_timeline = best_schedule(problem)

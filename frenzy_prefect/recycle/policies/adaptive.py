@@ -38,11 +38,26 @@ class Adaptive:
         iteration_s = view.model.rerouted_s(f)
         grid, note = grid_label(view.model.dp, view.model.pp), f"failures per stage {f}"
         if state_lost:
-            return Decision("checkpoint-restart", iteration_s, grid, pause_s=knobs.restart_s, keep_in_flight=False, rollback=True,
-                            restore_state=True, note=note)
+            return Decision(
+                "checkpoint-restart",
+                iteration_s,
+                grid,
+                pause_s=knobs.restart_s,
+                keep_in_flight=False,
+                rollback=True,
+                restore_state=True,
+                note=note,
+            )
         if self.layout is not None:
-            return Decision("reconfigure", iteration_s, grid, pause_s=knobs.reconfigure_s, keep_in_flight=False, restore_state=True,
-                            note="back to the original grid, " + note)
+            return Decision(
+                "reconfigure",
+                iteration_s,
+                grid,
+                pause_s=knobs.reconfigure_s,
+                keep_in_flight=False,
+                restore_state=True,
+                note="back to the original grid, " + note,
+            )
         if view.lost:
             return Decision("reroute", iteration_s, grid, pause_s=knobs.detection_s, note=note)
         return Decision("rejoin", iteration_s, grid, delay_s=knobs.state_copy_s, note=note)
@@ -68,11 +83,17 @@ class Adaptive:
         grid = self._on_grid(view, state_lost)
         layout = reform(view, heterogeneous=True)
         if state_lost:
-            reformed = from_layout("checkpoint-restart", layout, pause_s=knobs.restart_s, rollback=True,
-                                   note="a stage lost every replica; re-formed")
+            reformed = from_layout(
+                "checkpoint-restart", layout, pause_s=knobs.restart_s, rollback=True, note="a stage lost every replica; re-formed"
+            )
         else:
-            reformed = from_layout("reconfigure", layout, pause_s=knobs.reconfigure_s, rollback=False,
-                                   note="re-formed: faster than re-routing over the expected gap")
+            reformed = from_layout(
+                "reconfigure",
+                layout,
+                pause_s=knobs.reconfigure_s,
+                rollback=False,
+                note="re-formed: faster than re-routing over the expected gap",
+            )
         if grid is not None and self._score(grid, gap, True, knobs) >= self._score(reformed, gap, False, knobs):
             chosen, self.layout = grid, None
         else:

@@ -132,5 +132,6 @@ def stalled(note: str) -> Decision:
 def from_layout(kind: Kind, layout: Layout | None, *, pause_s: float, rollback: bool, note: str) -> Decision:
     if layout is None:
         return stalled(f"{note}; too few nodes for one pipeline")
-    return Decision(kind, layout.iteration_s, layout.label, pause_s=pause_s, keep_in_flight=False, rollback=rollback, restore_state=True,
-                    note=note)
+    return Decision(
+        kind, layout.iteration_s, layout.label, pause_s=pause_s, keep_in_flight=False, rollback=rollback, restore_state=True, note=note
+    )

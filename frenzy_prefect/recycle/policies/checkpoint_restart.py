@@ -15,5 +15,10 @@ class CheckpointRestart:
     def react(self, view: View) -> Decision | None:
         if not view.slot_changes:
             return None
-        return from_layout("checkpoint-restart", reform(view, heterogeneous=False), pause_s=view.knobs.restart_s, rollback=True,
-                           note=f"membership changed: {len(view.lost)} lost, {len(view.slot_changes) - len(view.lost)} joined")
+        return from_layout(
+            "checkpoint-restart",
+            reform(view, heterogeneous=False),
+            pause_s=view.knobs.restart_s,
+            rollback=True,
+            note=f"membership changed: {len(view.lost)} lost, {len(view.slot_changes) - len(view.lost)} joined",
+        )

@@ -26,19 +26,37 @@ class DropPipeline:
             self.running = complete
             if not complete:
                 return stalled("no complete pipeline")
-            return Decision("checkpoint-restart", model.fault_free_s(len(complete), model.pp), grid_label(len(complete), model.pp),
-                            pause_s=knobs.restart_s, keep_in_flight=False, rollback=True, restore_state=True,
-                            note="a stage lost every replica")
+            return Decision(
+                "checkpoint-restart",
+                model.fault_free_s(len(complete), model.pp),
+                grid_label(len(complete), model.pp),
+                pause_s=knobs.restart_s,
+                keep_in_flight=False,
+                rollback=True,
+                restore_state=True,
+                note="a stage lost every replica",
+            )
         hit = {c.slot // model.pp for c in view.changes if c.kind == "lost" and c.slot is not None} & self.running
         if len(complete) > len(self.running - hit):
             self.running = complete
-            return Decision("reconfigure", model.fault_free_s(len(complete), model.pp), grid_label(len(complete), model.pp),
-                            pause_s=knobs.drop_reform_s, keep_in_flight=False, restore_state=True,
-                            note=f"{len(complete)} complete pipelines re-formed")
+            return Decision(
+                "reconfigure",
+                model.fault_free_s(len(complete), model.pp),
+                grid_label(len(complete), model.pp),
+                pause_s=knobs.drop_reform_s,
+                keep_in_flight=False,
+                restore_state=True,
+                note=f"{len(complete)} complete pipelines re-formed",
+            )
         if not hit:
             return None
         self.running -= hit
         if not self.running:
             return stalled("every pipeline lost a worker")
-        return Decision("drop-pipeline", model.fault_free_s(len(self.running), model.pp), grid_label(len(self.running), model.pp),
-                        pause_s=knobs.detection_s, note=f"dropped pipeline(s) {sorted(hit)}")
+        return Decision(
+            "drop-pipeline",
+            model.fault_free_s(len(self.running), model.pp),
+            grid_label(len(self.running), model.pp),
+            pause_s=knobs.detection_s,
+            note=f"dropped pipeline(s) {sorted(hit)}",
+        )

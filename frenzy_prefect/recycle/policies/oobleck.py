@@ -22,8 +22,10 @@ class Oobleck:
             return None
         if self.layout is not None and self.layout.layers_lost(view.lost):
             self.layout = reform(view, heterogeneous=True)
-            return from_layout("checkpoint-restart", self.layout, pause_s=view.knobs.restart_s, rollback=True,
-                               note="a layer lost every replica")
+            return from_layout(
+                "checkpoint-restart", self.layout, pause_s=view.knobs.restart_s, rollback=True, note="a layer lost every replica"
+            )
         self.layout = reform(view, heterogeneous=True)
-        return from_layout("reconfigure", self.layout, pause_s=view.knobs.reconfigure_s, rollback=False,
-                           note="pipelines re-instantiated from templates")
+        return from_layout(
+            "reconfigure", self.layout, pause_s=view.knobs.reconfigure_s, rollback=False, note="pipelines re-instantiated from templates"
+        )

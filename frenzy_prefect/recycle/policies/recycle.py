@@ -35,11 +35,19 @@ class ReCycle:
             if min(m.live_per_stage()) > 0:
                 self.layout = None
                 f = m.failures_per_stage()
-                return Decision("reconfigure", view.model.rerouted_s(f), grid, pause_s=knobs.reconfigure_s,
-                                keep_in_flight=False, restore_state=True, note=f"back to the original grid, failures per stage {f}")
+                return Decision(
+                    "reconfigure",
+                    view.model.rerouted_s(f),
+                    grid,
+                    pause_s=knobs.reconfigure_s,
+                    keep_in_flight=False,
+                    restore_state=True,
+                    note=f"back to the original grid, failures per stage {f}",
+                )
             self.layout = reform(view, heterogeneous=False)
-            return from_layout("reconfigure", self.layout, pause_s=knobs.reconfigure_s, rollback=False,
-                               note="re-formed grid follows the nodes")
+            return from_layout(
+                "reconfigure", self.layout, pause_s=knobs.reconfigure_s, rollback=False, note="re-formed grid follows the nodes"
+            )
         lost = m.lost_stages()
         if lost:
             return self._restart(view, f"stage(s) {lost} lost every replica")
@@ -54,8 +62,15 @@ class ReCycle:
         if min(m.live_per_stage()) > 0:
             self.layout = None
             f = m.failures_per_stage()
-            return Decision("checkpoint-restart", view.model.rerouted_s(f), grid_label(view.model.dp, view.model.pp),
-                            pause_s=view.knobs.restart_s, keep_in_flight=False, rollback=True, restore_state=True,
-                            note=f"{why}; original grid, failures per stage {f}")
+            return Decision(
+                "checkpoint-restart",
+                view.model.rerouted_s(f),
+                grid_label(view.model.dp, view.model.pp),
+                pause_s=view.knobs.restart_s,
+                keep_in_flight=False,
+                rollback=True,
+                restore_state=True,
+                note=f"{why}; original grid, failures per stage {f}",
+            )
         self.layout = reform(view, heterogeneous=False)
         return from_layout("checkpoint-restart", self.layout, pause_s=view.knobs.restart_s, rollback=True, note=f"{why}; re-formed grid")

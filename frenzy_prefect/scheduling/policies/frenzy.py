@@ -60,8 +60,9 @@ class Frenzy:
     name: ClassVar[str] = "frenzy"
     round_s: ClassVar[float | None] = None
 
-    def __init__(self, min_efficiency: float = MIN_EFFICIENCY, idle_share: float = IDLE_SHARE,
-                 backfill_depth: int = BACKFILL_DEPTH) -> None:
+    def __init__(
+        self, min_efficiency: float = MIN_EFFICIENCY, idle_share: float = IDLE_SHARE, backfill_depth: int = BACKFILL_DEPTH
+    ) -> None:
         self.min_efficiency = min_efficiency
         self.idle_share = idle_share
         self.backfill_depth = backfill_depth
