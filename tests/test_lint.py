@@ -5,7 +5,6 @@ import sys
 
 from .conftest import ROOT
 
-
 SOURCES = ["frenzy_prefect", "tests", "examples", "benchmarks"]
 
 
