@@ -23,6 +23,7 @@ import anyio
 from prefect.client.orchestration import PrefectClient
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType, WorkPoolFilter, WorkPoolFilterName
 from prefect.client.schemas.objects import FlowRun, StateType
+from pydantic import ValidationError
 
 from frenzy_prefect import run_labels
 from frenzy_prefect.allocator.placement import place
@@ -31,12 +32,22 @@ from frenzy_prefect.server_calls import is_transient, patiently
 from frenzy_prefect.spec.plan import TrainingJob
 
 RETRY_S = 2.0  # how often a worker looks at the queue and the free GPUs again
+logger = logging.getLogger(__name__)
 JOB_PARAMETER = "job"
 
 
 def training_job_of(flow_run: FlowRun) -> TrainingJob | None:
     raw = (flow_run.parameters or {}).get(JOB_PARAMETER)
     return None if raw is None else TrainingJob.model_validate(raw)
+
+
+def _job_or_none(flow_run: FlowRun) -> TrainingJob | None:
+    """Another worker's waiting run's job; None if it cannot be read (that run fails on its own
+    worker, never a run that shares the queue with it)."""
+    try:
+        return training_job_of(flow_run)
+    except ValidationError:
+        return None
 
 
 def queue_key(job: TrainingJob) -> str:
@@ -95,10 +106,11 @@ class GpuQueue:
                 return
             try:
                 await self._sweep()
-            except Exception as exc:
-                if not is_transient(exc):
-                    raise
-                logging.getLogger(__name__).warning("GPU queue: the Prefect server did not answer (%s); waiting runs keep waiting", exc)
+            except Exception as exc:  # never a waiting run's failure: the next sweep tries again
+                if is_transient(exc):
+                    logger.warning("GPU queue: the Prefect server did not answer (%s); waiting runs keep waiting", exc)
+                else:
+                    logger.exception("GPU queue: a sweep failed; waiting runs keep waiting and the next sweep tries again")
             finally:
                 self._last_sweep = time.monotonic()
 
@@ -110,7 +122,7 @@ class GpuQueue:
         for run in queue:
             key = run.labels.get(run_labels.WAITING_FOR) or ""
             waiter = self._waiters.get(run.id)
-            job = waiter.job if waiter else training_job_of(run)
+            job = waiter.job if waiter else _job_or_none(run)
             if not key or run.state_type != StateType.PENDING or job is None:
                 continue
             if key in blocked:
