@@ -138,3 +138,31 @@ def test_cluster_can_declare_gpu_types_the_catalog_lacks(tmp_path):
 def test_model_spec_rejects_bad_shapes():
     with pytest.raises(ValidationError, match="hidden"):
         ModelSpec(name="x", layers=1, hidden=10, heads=3, vocab_size=5, max_seq_len=4)
+
+
+def test_a_llama_family_config_is_refused_naming_what_is_not_modelled_never_misread():
+    # Llama-2-7B's config.json (the fields that matter): read as GPT-2-style it was 5.31 B
+    # parameters instead of 6.74 B, silently.
+    llama2_7b = {
+        "model_type": "llama",
+        "num_hidden_layers": 32,
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "intermediate_size": 11008,
+        "vocab_size": 32000,
+        "max_position_embeddings": 4096,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    }
+    with pytest.raises(FrenzyError) as raised:
+        from_hf_config(llama2_7b, "Llama-2-7b-hf/config.json")
+    message = str(raised.value)
+    assert message.startswith("model config Llama-2-7b-hf/config.json uses a gated MLP (hidden_act='silu'); RMSNorm (rms_norm_eps)")
+    assert "rotary position embeddings" in message and "grouped-query" not in message  # 32 KV heads of 32: plain multi-head
+    with pytest.raises(FrenzyError, match=r"grouped-query attention \(num_key_value_heads=8 of 32 heads\)"):
+        from_hf_config(llama2_7b | {"num_key_value_heads": 8, "rope_theta": 500000.0}, "Llama-3.1-8B")
+    with pytest.raises(FrenzyError, match=r"a mixture of experts \(num_local_experts=8\).*sliding-window attention"):
+        from_hf_config(llama2_7b | {"num_local_experts": 8, "sliding_window": 4096}, "Mixtral")

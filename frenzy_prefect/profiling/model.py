@@ -45,7 +45,35 @@ _HF_KEYS: dict[str, tuple[str, ...]] = {
 _REQUIRED = ("layers", "hidden", "heads", "vocab_size", "max_seq_len")
 
 
+def _unmodelled(config: dict[str, Any]) -> list[str]:
+    """What a config asks for that ModelSpec (a GPT-2-style block: learned positions, LayerNorm,
+    GELU MLP, multi-head attention) does not model; each would silently misread the parameters
+    and memory (Llama-2-7B reads as 5.3 B parameters instead of 6.7 B)."""
+    heads = config.get("num_attention_heads") or config.get("n_head")
+    kv_heads = config.get("num_key_value_heads")
+    found = []
+    if kv_heads is not None and kv_heads != heads:
+        found.append(f"grouped-query attention (num_key_value_heads={kv_heads} of {heads} heads)")
+    if str(config.get("hidden_act", "")).lower() in {"silu", "swish", "swiglu"}:
+        found.append(f"a gated MLP (hidden_act={config['hidden_act']!r})")
+    if config.get("rms_norm_eps") is not None:
+        found.append("RMSNorm (rms_norm_eps)")
+    if config.get("rope_theta") is not None or config.get("rope_scaling") is not None:
+        found.append("rotary position embeddings (rope_theta), no learned position table")
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if config.get(key):
+            found.append(f"a mixture of experts ({key}={config[key]})")
+    if config.get("sliding_window"):
+        found.append(f"sliding-window attention (sliding_window={config['sliding_window']})")
+    return found
+
+
 def from_hf_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
+    if unmodelled := _unmodelled(config):
+        raise FrenzyError(
+            f"model config {name} uses {'; '.join(unmodelled)}, which frenzy does not model yet: its parameters and memory "
+            "would be misread. Supported: GPT-2-style configs (learned positions, LayerNorm, GELU MLP, multi-head attention)"
+        )
     fields: dict[str, Any] = {"name": str(config.get("_name_or_path") or config.get("model_type") or name)}
     for field, keys in _HF_KEYS.items():
         for key in keys:
