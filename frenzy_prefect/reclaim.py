@@ -35,7 +35,6 @@ from frenzy_prefect.launch.local import host_and_pids, is_running, stop_process_
 from frenzy_prefect.reservations import LEASE_S
 
 RECLAIM_WINDOW_S = 3 * LEASE_S  # a lease outlives its last renewal by at most LEASE_S plus the server's sweep
-STOP_GRACE_S = 5.0
 
 
 async def reclaim_lost_runs(worker: BaseWorker) -> None:
@@ -81,7 +80,7 @@ async def _reclaim(worker: BaseWorker, run: FlowRun) -> None:
     owner, lease = run.labels.get(run_labels.PROCESS), run.labels.get(run_labels.LEASE, run_labels.RELEASED)
     started_on, pids = host_and_pids(run.infrastructure_pid or "")
     if started_on == socket.gethostname():
-        await stop_process_groups(pids, STOP_GRACE_S)
+        await stop_process_groups(pids)
     if lease != run_labels.RELEASED:
         await worker.client.release_concurrency_slots_with_lease(UUID(lease))  # a no-op once expired
     await worker.client.update_flow_run_labels(run.id, {run_labels.RECLAIMED_BY: worker.name})

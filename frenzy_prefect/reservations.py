@@ -18,6 +18,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 from uuid import UUID
 
 import anyio
@@ -34,6 +35,7 @@ LEASE_S = 120.0  # a server outage shorter than this, less RENEW_EVERY_S, loses 
 RENEW_EVERY_S = 15.0
 PREFIX = "frenzy-gpu"
 _PAGE = 200
+T = TypeVar("T")
 _GONE = {404, 410}  # the server no longer knows the lease: expired, revoked or forgotten
 
 logger = logging.getLogger("frenzy_prefect.reservations")
@@ -153,17 +155,13 @@ class GpuHold:
             await anyio.sleep(RENEW_EVERY_S)
             asked = time.monotonic()
             try:
-                with without_client_retries():  # through an outage, renew the moment the server is back
-                    await patiently(lambda: self.reservations.renew(self.lease), "renewing a GPU lease", math.inf, max_backoff_s=2.0)
+                await _insistently(lambda: self.reservations.renew(self.lease), "renewing a GPU lease")
                 if (waited := time.monotonic() - asked) > RENEW_EVERY_S:
                     logger.warning("GPU lease %s renewed after %.0f s without the Prefect server", self.lease, waited)
             except PrefectHTTPStatusError as exc:
                 if exc.response.status_code not in _GONE:
                     raise
-                with without_client_retries():
-                    retaken = await patiently(
-                        lambda: self.reservations.acquire(self.placements, self.holder), "taking GPUs again", math.inf, 2.0
-                    )
+                retaken = await _insistently(lambda: self.reservations.acquire(self.placements, self.holder), "taking GPUs again")
                 if retaken is None:
                     self.lost_reason = (
                         f"the Prefect server forgot this run's GPU lease {self.lease} (an outage longer than {LEASE_S:.0f} s, "
@@ -179,3 +177,10 @@ class GpuHold:
         """Let the GPUs go (if the server stays unreachable, the lease expires by itself)."""
         if not self.lost.is_set():
             await patiently(lambda: self.reservations.release(self.lease), "releasing GPUs", patience_s=60.0)
+
+
+async def _insistently(call: Callable[[], Awaitable[T]], what: str) -> T:
+    """``call()`` retried every ~2 s for as long as the server is away, without the Prefect
+    client's own backoff (up to 32 s), so that a held GPU is renewed the moment it is back."""
+    with without_client_retries():
+        return await patiently(call, what, math.inf, max_backoff_s=2.0)

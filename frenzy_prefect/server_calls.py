@@ -7,6 +7,7 @@ Anything else (a 4xx, a bug) is raised at once: retrying cannot fix it."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import time
@@ -39,7 +40,7 @@ async def patiently(call: Callable[[], Awaitable[T]], what: str, patience_s: flo
     """``call()``, retried on transient faults with backoff for up to ``patience_s``; then the
     last fault is raised."""
     deadline = time.monotonic() + patience_s
-    for attempt in range(1_000_000):
+    for attempt in itertools.count():
         try:
             return await call()
         except Exception as exc:
@@ -48,7 +49,6 @@ async def patiently(call: Callable[[], Awaitable[T]], what: str, patience_s: flo
                 raise
             logger.warning("%s: the Prefect server did not answer (%s); retrying in %.0f s", what, _describe(exc), delay)
             await anyio.sleep(delay)
-    raise AssertionError("unreachable")
 
 
 @contextmanager

@@ -47,7 +47,6 @@ from frenzy_prefect.server_calls import is_transient, patiently
 from frenzy_prefect.spec.plan import TrainingJob
 
 CANCEL_POLL_S = 1.0  # how often a running run's state is checked for cancellation
-CANCEL_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this: every rank is gone within ~7 s
 
 
 class FrenzyJobConfiguration(BaseJobConfiguration):
@@ -237,12 +236,12 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, Any, FrenzyWorkerResult]):
                 await anyio.sleep(CANCEL_POLL_S)
             cancelled.set()
             logger.info("Cancelling: stopping every rank")
-            await stop_process_groups(group.pids, CANCEL_GRACE_S)
+            await stop_process_groups(group.pids)
 
         async def stop_when_lost() -> None:
             await hold.lost.wait()
             logger.error(f"Stopping every rank: {hold.lost_reason}")
-            await stop_process_groups(group.pids, CANCEL_GRACE_S)
+            await stop_process_groups(group.pids)
 
         try:
             async with anyio.create_task_group() as watch:
@@ -251,9 +250,9 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, Any, FrenzyWorkerResult]):
                     watch.start_soon(stop_when_lost)
                 code = await group.wait()
                 watch.cancel_scope.cancel()
-        except BaseException:  # the worker is stopping: its ranks stop before their GPUs are released
+        except BaseException:  # the worker is stopping: ProcessGroup.wait signalled the ranks; they are gone before the GPUs go
             with anyio.CancelScope(shield=True):
-                await stop_process_groups(group.pids, CANCEL_GRACE_S)
+                await stop_process_groups(group.pids)
             raise
         stopped_here = cancelled.is_set() or (hold is not None and hold.lost.is_set())
         if code != 0 and group.failure and not stopped_here:  # name the rank, its node and the signal
@@ -264,9 +263,8 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, Any, FrenzyWorkerResult]):
                 f"ssh to {group.failed_host} failed (exit {code}): the host is unreachable, refused the key, or its host key "
                 f"is not in {configuration.ssh_known_hosts}; every rank was stopped"
             )
-        return FrenzyWorkerResult(
-            status_code=code, identifier=group.identifier
-        ), "Cancelled: every rank stopped" if cancelled.is_set() else None
+        why_cancelled = "Cancelled: every rank stopped" if cancelled.is_set() else None
+        return FrenzyWorkerResult(status_code=code, identifier=group.identifier), why_cancelled
 
     async def _is_cancelling(self, flow_run: FlowRun) -> bool:
         try:

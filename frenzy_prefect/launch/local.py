@@ -48,7 +48,10 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-async def stop_process_groups(pids: list[int], grace_s: float) -> None:
+STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this: a stopped job is gone within ~7 s
+
+
+async def stop_process_groups(pids: list[int], grace_s: float = STOP_GRACE_S) -> None:
     """SIGTERM each group, SIGKILL whatever is left after ``grace_s``."""
     for pid in pids:
         _signal(pid, signal.SIGTERM)
@@ -164,7 +167,7 @@ async def start_local(launches: list[Launch], cwd: Path | None = None) -> Proces
                 env[launch.port_env] = str(port)
             processes.append(await spawn(launch.argv, env=env, cwd=cwd))
     except BaseException:
-        await stop_process_groups([p.pid for p in processes], grace_s=5)
+        await stop_process_groups([p.pid for p in processes])
         scratch.cleanup()
         raise
 

@@ -139,7 +139,7 @@ async def start_ssh(launches: list[Launch], settings: SshSettings, cwd: Path | N
                     break
                 port = int(reported)
     except BaseException:
-        await stop_process_groups([p.pid for p in processes], grace_s=5)
+        await stop_process_groups([p.pid for p in processes])
         raise
 
     def account(i: int) -> Account:
