@@ -98,6 +98,7 @@ def filesystem(uri: str) -> tuple[AbstractFileSystem, str]:
     return fs, path
 
 
+@cache
 def _stall_errors() -> tuple[type[BaseException], ...]:
     """What a stalled or unreachable endpoint raises: our timeouts, connection failures."""
     errors: list[type[BaseException]] = [ConnectionError, TimeoutError]  # TimeoutError covers asyncio's and fsspec's
