@@ -7,7 +7,7 @@ import torch
 from pydantic import ValidationError
 
 from frenzy_prefect.errors import FrenzyError, describe_validation_error
-from frenzy_prefect.profiling.model import PRESETS, from_hf_config, resolve_model
+from frenzy_prefect.profiling.model import CONFIGS, PRESETS, from_hf_config, resolve_model
 from frenzy_prefect.spec.cluster import ClusterSpec
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.request import TrainingRequest
@@ -140,29 +140,62 @@ def test_model_spec_rejects_bad_shapes():
         ModelSpec(name="x", layers=1, hidden=10, heads=3, vocab_size=5, max_seq_len=4)
 
 
-def test_a_llama_family_config_is_refused_naming_what_is_not_modelled_never_misread():
-    # Llama-2-7B's config.json (the fields that matter): read as GPT-2-style it was 5.31 B
-    # parameters instead of 6.74 B, silently.
-    llama2_7b = {
-        "model_type": "llama",
-        "num_hidden_layers": 32,
-        "hidden_size": 4096,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 32,
-        "intermediate_size": 11008,
-        "vocab_size": 32000,
-        "max_position_embeddings": 4096,
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-    }
-    with pytest.raises(FrenzyError) as raised:
-        from_hf_config(llama2_7b, "Llama-2-7b-hf/config.json")
-    message = str(raised.value)
-    assert message.startswith("model config Llama-2-7b-hf/config.json uses a gated MLP (hidden_act='silu'); RMSNorm (rms_norm_eps)")
-    assert "rotary position embeddings" in message and "grouped-query" not in message  # 32 KV heads of 32: plain multi-head
-    with pytest.raises(FrenzyError, match=r"grouped-query attention \(num_key_value_heads=8 of 32 heads\)"):
-        from_hf_config(llama2_7b | {"num_key_value_heads": 8, "rope_theta": 500000.0}, "Llama-3.1-8B")
-    with pytest.raises(FrenzyError, match=r"a mixture of experts \(num_local_experts=8\).*sliding-window attention"):
-        from_hf_config(llama2_7b | {"num_local_experts": 8, "sliding_window": 4096}, "Mixtral")
+PUBLISHED_PARAMETERS = {  # the counts their model cards and papers state
+    "llama-2-7b": 6_738_415_616,
+    "llama-3.1-8b": 8_030_261_248,
+    "llama-3.1-70b": 70_553_706_496,
+    "mistral-7b": 7_241_732_096,
+    "qwen2-0.5b": 494_032_768,
+}
+
+
+@pytest.mark.parametrize(("name", "count"), PUBLISHED_PARAMETERS.items())
+def test_llama_family_configs_have_their_published_parameter_counts(name, count):
+    assert PRESETS[name].parameters == count
+
+
+def test_a_llama_family_config_reads_its_block_design():
+    spec = resolve_model(str(CONFIGS / "llama-3.1-8b.json"))
+    assert (spec.norm, spec.mlp, spec.position, spec.kv_heads, spec.kv_width, spec.tied_embeddings) == (
+        "rmsnorm",
+        "swiglu",
+        "rope",
+        8,
+        1024,
+        False,
+    )
+    assert not (spec.qkv_bias or spec.out_bias or spec.mlp_bias)
+    assert spec.embedding_parameters == 128_256 * 4096  # no position table (was 537 M phantom parameters)
+    qwen = PRESETS["qwen2-0.5b"]
+    assert (qwen.qkv_bias, qwen.out_bias, qwen.tied_embeddings) == (True, False, True)
+    gpt2 = from_hf_config(
+        {
+            "model_type": "gpt2",
+            "n_layer": 2,
+            "n_embd": 64,
+            "n_head": 4,
+            "vocab_size": 300,
+            "n_positions": 128,
+            "attn_pdrop": 0.1,
+            "resid_pdrop": 0.1,
+        }
+    )
+    assert (gpt2.attention_dropout, gpt2.hidden_dropout, gpt2.norm, gpt2.position) == (0.1, 0.1, "layernorm", "learned")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"model_type": "mixtral", "num_local_experts": 8},
+            r"model_type 'mixtral' \(supported: gpt2, llama, mistral, qwen2\); a mixture of experts \(num_local_experts=8\)",
+        ),
+        ({"hidden_act": "gelu"}, r"the activation 'gelu' \(accepted here: silu\)"),
+        ({"head_dim": 256}, r"head_dim=256 other than hidden_size / num_attention_heads \(128\)"),
+        ({"model_type": None}, r"Llama-family fields \(rms_norm_eps, rope_theta, num_key_value_heads\) without a Llama-family model_type"),
+    ],
+)
+def test_what_a_config_asks_and_frenzy_does_not_model_is_refused_naming_the_field(change, message):
+    config = json.loads((CONFIGS / "mistral-7b.json").read_text()) | change
+    with pytest.raises(FrenzyError, match=message):
+        from_hf_config({k: v for k, v in config.items() if v is not None}, "config.json")

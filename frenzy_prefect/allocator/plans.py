@@ -11,6 +11,7 @@ from frenzy_prefect.errors import NoFeasiblePlan
 from frenzy_prefect.memory.analytic import estimate
 from frenzy_prefect.spec.cluster import ClusterSpec
 from frenzy_prefect.spec.gpu import GpuType
+from frenzy_prefect.spec.layout import tp_splits
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import ParallelPlan, PlanCandidate
 from frenzy_prefect.spec.request import TrainingRequest
@@ -51,9 +52,9 @@ def engine_plans(global_batch: int, max_gpus: int) -> Iterator[ParallelPlan]:
 
 def plan_space(model: ModelSpec, global_batch: int, max_gpus: int, node_gpus: int) -> Iterator[ParallelPlan]:
     """Every plan the memory model covers, within ``max_gpus``: tensor parallelism inside one
-    node (dividing heads, hidden and ffn), pipeline depths in powers of two, ZeRO 1-3 over data
+    node (splitting heads, key/value heads, hidden and ffn evenly), pipeline depths in powers of two, ZeRO 1-3 over data
     parallelism alone, and each recomputation mode."""
-    tps = [t for t in _divisors(min(node_gpus, model.heads)) if not (model.heads % t or model.hidden % t or model.ffn_hidden % t)]
+    tps = [t for t in _divisors(min(node_gpus, model.heads)) if tp_splits(model, t)]
     pps = [1 << k for k in range(model.layers.bit_length()) if 1 << k <= model.layers]
     for dp in _divisors(global_batch):
         for tp in tps:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -11,82 +12,142 @@ from frenzy_prefect.errors import FrenzyError, describe_validation_error
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.storage import open_uri
 
+CONFIGS = Path(__file__).with_name("configs")  # published config.json files of real models (each names its source)
 
-def _preset(name: str, layers: int, hidden: int, heads: int, vocab: int, seq: int) -> ModelSpec:
+
+def _gpt(name: str, layers: int, hidden: int, heads: int, vocab: int, seq: int) -> ModelSpec:
     return ModelSpec(name=name, layers=layers, hidden=hidden, heads=heads, vocab_size=vocab, max_seq_len=seq)
 
 
-# Byte-level presets (vocab 256) train on raw UTF-8 text; the others use GPT-2's BPE vocabulary.
+def _llama(name: str, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, seq: int) -> ModelSpec:
+    return ModelSpec(
+        name=name,
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        ffn_hidden=ffn,
+        vocab_size=vocab,
+        max_seq_len=seq,
+        norm="rmsnorm",
+        mlp="swiglu",
+        position="rope",
+        qkv_bias=False,
+        out_bias=False,
+        mlp_bias=False,
+        tied_embeddings=False,
+    )
+
+
+# Byte-level presets (vocab 256) train on raw UTF-8 text on CPU; the GPT-2 family uses GPT-2's BPE
+# vocabulary; the real Llama-family models are their published config.json files.
 PRESETS: dict[str, ModelSpec] = {
     m.name: m
     for m in (
-        _preset("gpt-nano", 4, 128, 4, 256, 256),
-        _preset("gpt-micro", 6, 256, 8, 256, 512),
-        _preset("gpt2-small", 12, 768, 12, 50257, 1024),
-        _preset("gpt2-medium", 24, 1024, 16, 50257, 1024),
-        _preset("gpt2-large", 36, 1280, 20, 50257, 1024),
-        _preset("gpt2-xl", 48, 1600, 25, 50257, 1024),
-        _preset("gpt3-6.7b", 32, 4096, 32, 50257, 2048),
-        _preset("gpt3-13b", 40, 5120, 40, 50257, 2048),
+        _gpt("gpt-nano", 4, 128, 4, 256, 256),
+        _gpt("gpt-micro", 6, 256, 8, 256, 512),
+        _llama("llama-nano", 4, 128, 4, 2, 352, 256, 256),
+        _llama("llama-micro", 6, 256, 8, 2, 688, 256, 512),
+        _gpt("gpt2-small", 12, 768, 12, 50257, 1024),
+        _gpt("gpt2-medium", 24, 1024, 16, 50257, 1024),
+        _gpt("gpt2-large", 36, 1280, 20, 50257, 1024),
+        _gpt("gpt2-xl", 48, 1600, 25, 50257, 1024),
+        _gpt("gpt3-6.7b", 32, 4096, 32, 50257, 2048),
+        _gpt("gpt3-13b", 40, 5120, 40, 50257, 2048),
     )
 }
 
-# HF config keys (GPT-2 names first, then the generic ones) -> ModelSpec fields.
-_HF_KEYS: dict[str, tuple[str, ...]] = {
+# The families whose config.json frenzy reads, and the keys each reads (GPT-2 names first).
+GPT2_TYPES = {"gpt2"}
+LLAMA_TYPES = {"llama", "mistral", "qwen2"}
+_KEYS: dict[str, tuple[str, ...]] = {
     "layers": ("n_layer", "num_hidden_layers"),
     "hidden": ("n_embd", "hidden_size"),
     "heads": ("n_head", "num_attention_heads"),
+    "kv_heads": ("num_key_value_heads",),
     "vocab_size": ("vocab_size",),
     "max_seq_len": ("n_positions", "max_position_embeddings"),
     "ffn_hidden": ("n_inner", "intermediate_size"),
     "tied_embeddings": ("tie_word_embeddings",),
     "vocab_multiple": ("make_vocab_size_divisible_by",),
+    "attention_dropout": ("attn_pdrop", "attention_dropout"),
+    "hidden_dropout": ("resid_pdrop", "hidden_dropout"),
 }
 _REQUIRED = ("layers", "hidden", "heads", "vocab_size", "max_seq_len")
+_GELU = {"gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast"}
+_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
-def _unmodelled(config: dict[str, Any]) -> list[str]:
-    """What a config asks for that ModelSpec (a GPT-2-style block: learned positions, LayerNorm,
-    GELU MLP, multi-head attention) does not model; each would silently misread the parameters
-    and memory (Llama-2-7B reads as 5.3 B parameters instead of 6.7 B)."""
-    heads = config.get("num_attention_heads") or config.get("n_head")
-    kv_heads = config.get("num_key_value_heads")
+def _family_fields(config: dict[str, Any], model_type: str | None) -> dict[str, Any]:
+    """The block's design, which the HF families fix by model_type rather than by fields."""
+    if model_type in LLAMA_TYPES:
+        attention_bias = bool(config.get("attention_bias", False))
+        return {
+            "norm": "rmsnorm",
+            "mlp": "swiglu",
+            "position": "rope",
+            "qkv_bias": model_type == "qwen2" or attention_bias,  # Qwen2 biases Q, K and V only
+            "out_bias": attention_bias,
+            "mlp_bias": bool(config.get("mlp_bias", False)),
+            "tied_embeddings": bool(config.get("tie_word_embeddings", False)),  # the families' default: untied
+        }
+    return {}
+
+
+def _refusals(config: dict[str, Any], model_type: str | None) -> list[str]:
+    """What a config asks for that would change parameters or memory and frenzy does not model:
+    each would be a silent misread (Llama-2-7B read GPT-2-style is 5.31 B parameters, not 6.74 B)."""
     found = []
-    if kv_heads is not None and kv_heads != heads:
-        found.append(f"grouped-query attention (num_key_value_heads={kv_heads} of {heads} heads)")
-    if str(config.get("hidden_act", "")).lower() in {"silu", "swish", "swiglu"}:
-        found.append(f"a gated MLP (hidden_act={config['hidden_act']!r})")
-    if config.get("rms_norm_eps") is not None:
-        found.append("RMSNorm (rms_norm_eps)")
-    if config.get("rope_theta") is not None or config.get("rope_scaling") is not None:
-        found.append("rotary position embeddings (rope_theta), no learned position table")
-    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+    if model_type is not None and model_type not in GPT2_TYPES | LLAMA_TYPES:
+        found.append(f"model_type {model_type!r} (supported: {', '.join(sorted(GPT2_TYPES | LLAMA_TYPES))})")
+    for key in _EXPERTS:
         if config.get(key):
             found.append(f"a mixture of experts ({key}={config[key]})")
-    if config.get("sliding_window"):
-        found.append(f"sliding-window attention (sliding_window={config['sliding_window']})")
+    act = config.get("hidden_act") or config.get("activation_function")
+    expected = {"silu"} if model_type in LLAMA_TYPES else _GELU
+    if act is not None and str(act).lower() not in expected:
+        found.append(f"the activation {act!r} (accepted here: {', '.join(sorted(expected))})")
+    heads, hidden, head_dim = config.get("num_attention_heads"), config.get("hidden_size"), config.get("head_dim")
+    if head_dim is not None and heads and hidden and head_dim * heads != hidden:
+        found.append(f"head_dim={head_dim} other than hidden_size / num_attention_heads ({hidden // heads})")
+    if model_type not in LLAMA_TYPES:
+        llama_fields = [k for k in ("rms_norm_eps", "rope_theta", "num_key_value_heads") if config.get(k) is not None]
+        if llama_fields:
+            found.append(f"Llama-family fields ({', '.join(llama_fields)}) without a Llama-family model_type")
     return found
 
 
 def from_hf_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
-    if unmodelled := _unmodelled(config):
+    """The spec of an HF config.json: GPT-2 (``model_type`` gpt2, or GPT-2-style fields without a
+    model_type) or the Llama family (llama, mistral, qwen2). Sliding-window attention and RoPE
+    scaling are accepted: they change which scores are computed, not what is stored."""
+    model_type = config.get("model_type")
+    if refused := _refusals(config, model_type):
         raise FrenzyError(
-            f"model config {name} uses {'; '.join(unmodelled)}, which frenzy does not model yet: its parameters and memory "
-            "would be misread. Supported: GPT-2-style configs (learned positions, LayerNorm, GELU MLP, multi-head attention)"
+            f"model config {name} uses {'; '.join(refused)}, which frenzy does not model: its parameters and memory would be misread. "
+            f"Supported: model_type {', '.join(sorted(GPT2_TYPES | LLAMA_TYPES))} (dense decoders)"
         )
-    fields: dict[str, Any] = {"name": str(config.get("_name_or_path") or config.get("model_type") or name)}
-    for field, keys in _HF_KEYS.items():
+    fields: dict[str, Any] = {"name": str(config.get("_name_or_path") or model_type or name)}
+    for field, keys in _KEYS.items():
         for key in keys:
             if config.get(key) is not None:
                 fields[field] = config[key]
                 break
-    missing = [" or ".join(_HF_KEYS[f]) for f in _REQUIRED if f not in fields]
+    fields |= _family_fields(config, model_type)
+    missing = [" or ".join(_KEYS[f]) for f in _REQUIRED if f not in fields]
     if missing:
         raise FrenzyError(f"model config {name} lacks {', '.join(missing)}")
     try:
         return ModelSpec.model_validate(fields)
     except ValidationError as exc:
         raise FrenzyError(f"model config {name}: {describe_validation_error(exc)}") from None
+
+
+def _published(path: Path) -> ModelSpec:
+    return from_hf_config(json.loads(path.read_text()), name=path.name).model_copy(update={"name": path.stem})
+
+
+PRESETS |= {spec.name: spec for spec in map(_published, sorted(CONFIGS.glob("*.json")))}
 
 
 def resolve_model(model: str | dict[str, Any], seq_len: int | None = None) -> ModelSpec:

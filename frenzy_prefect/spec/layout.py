@@ -18,10 +18,11 @@ from frenzy_prefect.spec.plan import ParallelPlan
 def check_plan(model: ModelSpec, plan: ParallelPlan) -> None:
     """Reject plans the model cannot be split into, naming the accepted values."""
     t = plan.tp
-    if model.heads % t or model.hidden % t or model.ffn_hidden % t:
-        ok = [d for d in range(1, model.heads + 1) if model.heads % d == 0 and model.hidden % d == 0 and model.ffn_hidden % d == 0]
+    if not tp_splits(model, t):
+        ok = [d for d in range(1, model.heads + 1) if tp_splits(model, d)]
         raise FrenzyError(
-            f"tp ({t}) must divide heads ({model.heads}), hidden ({model.hidden}) and ffn_hidden ({model.ffn_hidden}); accepted: {ok}"
+            f"tp ({t}) must divide heads ({model.heads}), kv_heads ({model.kv_heads}), hidden ({model.hidden}) and "
+            f"ffn_hidden ({model.ffn_hidden}); accepted: {ok}"
         )
     if plan.pp > model.layers:
         raise FrenzyError(f"pp ({plan.pp}) must not exceed the number of layers ({model.layers}); accepted: 1..{model.layers}")
@@ -29,6 +30,12 @@ def check_plan(model: ModelSpec, plan: ParallelPlan) -> None:
         raise FrenzyError(
             f"zero={plan.zero} is modelled as DeepSpeed runs it here, over data parallelism only; use tp=1 and pp=1, or zero=0 with tp/pp"
         )
+
+
+def tp_splits(model: ModelSpec, tp: int) -> bool:
+    """Whether Megatron-style tensor parallelism over ``tp`` ranks splits the model evenly: whole
+    query heads and key/value heads, and the MLP, on every rank."""
+    return not (model.heads % tp or model.kv_heads % tp or model.hidden % tp or model.ffn_hidden % tp)
 
 
 def uses_ddp(plan: ParallelPlan) -> bool:
@@ -47,18 +54,22 @@ def stage_layer_counts(layers: int, pp: int) -> tuple[int, ...]:
 
 def block_tensors(model: ModelSpec, tp: int) -> list[int]:
     """Elements of one block's parameter tensors on tensor-parallel rank 0, in ``Block`` order:
-    LayerNorm, QKV (column-split), projection (row-split, its bias kept on rank 0), LayerNorm,
-    MLP-in (column-split), MLP-out (row-split, bias on rank 0)."""
-    h, f = model.hidden, model.ffn_hidden
-    return [h, h, 3 * h * h // tp, 3 * h // tp, h * h // tp, h, h, h, f * h // tp, f // tp, h * f // tp, h]
+    norm, QKV (column-split), projection (row-split, its bias kept on rank 0), norm, MLP-in
+    (column-split; SwiGLU's gate and up together), MLP-out (row-split, bias on rank 0).
+    A LayerNorm has a scale and a shift, an RMSNorm a scale; absent biases are left out."""
+    h, f, m = model.hidden, model.ffn_hidden, model
+    norm = [h, h] if m.norm == "layernorm" else [h]
+    qkv = (h + 2 * m.kv_width) // tp
+    mlp_in = (2 if m.mlp == "swiglu" else 1) * f // tp
+    sizes = [*norm, qkv * h, *([qkv] if m.qkv_bias else []), h * h // tp, *([h] if m.out_bias else []), *norm]
+    return sizes + [mlp_in * h, *([mlp_in] if m.mlp_bias else []), h * f // tp, *([h] if m.mlp_bias else [])]
 
 
 @lru_cache(maxsize=1024)
 def layer_parameters(model: ModelSpec, tp: int) -> tuple[int, int]:
     """(all, those of the linear layers) parameters of one block on tensor-parallel rank 0."""
-    sizes = block_tensors(model, tp)
-    norms = sizes[0] + sizes[1] + sizes[6] + sizes[7]
-    return sum(sizes), sum(sizes) - norms
+    total = sum(block_tensors(model, tp))
+    return total, total - 2 * model.norm_parameters
 
 
 def stage_parameters(model: ModelSpec, plan: ParallelPlan, stage: int) -> int:
@@ -80,7 +91,7 @@ def largest_tensor(model: ModelSpec, plan: ParallelPlan, stage: int) -> int:
     h = model.hidden
     sizes = block_tensors(model, plan.tp)
     if stage == 0:
-        sizes += [model.padded_vocab * h, model.max_seq_len * h]
+        sizes += [model.padded_vocab * h, model.max_seq_len * h if model.position == "learned" else 0]
     if stage == plan.pp - 1 and (not model.tied_embeddings or plan.pp > 1):
         sizes.append(model.padded_vocab * h)
     return max(sizes)
@@ -104,5 +115,7 @@ def parameter_sizes(model: ModelSpec) -> list[int]:
     """Elements of every parameter tensor of the whole model, in ``GPT.parameters()`` order (the
     order DeepSpeed flattens and partitions them in)."""
     h, V = model.hidden, model.padded_vocab
-    sizes = [V * h, model.max_seq_len * h] + block_tensors(model, 1) * model.layers + [h, h]
+    positions = [model.max_seq_len * h] if model.position == "learned" else []
+    final_norm = [h, h] if model.norm == "layernorm" else [h]
+    sizes = [V * h, *positions] + block_tensors(model, 1) * model.layers + final_norm
     return sizes + ([] if model.tied_embeddings else [V * h])
