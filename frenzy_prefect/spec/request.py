@@ -7,6 +7,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 
 Precision = Literal["fp32", "bf16", "fp16"]
+# flash: fused SDPA that keeps only the log-sum-exp for its backward; eager: scores and softmax
+# materialised (and their dropout mask), as HF "eager" attention does.
+Attention = Literal["flash", "eager"]
 
 
 class OptimizerSettings(BaseModel):
@@ -44,6 +47,7 @@ class TrainingRequest(BaseModel):
     seq_len: PositiveInt = Field(description="Tokens per sequence.")
     steps: PositiveInt = Field(description="Optimizer steps to train.")
     precision: Precision = "bf16"
+    attention: Attention = "flash"
     optimizer: OptimizerSettings = Field(default_factory=OptimizerSettings)
     seed: NonNegativeInt = 0
     output: str | None = Field(
