@@ -69,6 +69,8 @@ GRID: list[tuple[ModelSpec, dict, str, int, int, str]] = [
     (WIDE, {"dp": 2, "zero": 3}, "fp32", 4, 128, "adamw"),
     (NANO, {"dp": 2, "pp": 2}, "fp32", 8, 128, "adamw"),
     (NANO, {"dp": 2, "tp": 2}, "bf16", 8, 128, "adamw"),
+    (NANO, {"dp": 2, "pp": 2, "zero": 1}, "bf16", 8, 128, "adamw"),
+    (MICRO, {"dp": 2, "tp": 2, "zero": 1}, "fp32", 4, 256, "adamw"),
 ]
 
 

@@ -16,7 +16,8 @@ Saved activations per layer are counted tensor by tensor for this GPT (pre-Layer
 no dropout, fused causal attention that keeps no scores) rather than with Korthikanti et al.'s
 Table 2, whose constants include dropout masks and attention scores this engine never stores.
 Pipeline stages hold 1F1B's in-flight micro-batches (stage s of p: min(p - s, micro-batches)).
-ZeRO stages keep what DeepSpeed 0.19 keeps (``_zero_peak``). ``peak_bytes`` is the search path
+ZeRO-1 shards the optimizer states as torch's ZeroRedundancyOptimizer deals tensors out
+(``optimizer_shares``); ZeRO-2 and 3 keep what DeepSpeed 0.19 keeps (``_zero_peak``). ``peak_bytes`` is the search path
 (the peak only); ``estimate`` itemises every stage.
 """
 
@@ -29,7 +30,15 @@ from typing import NamedTuple
 
 from frenzy_prefect.memory.calibration import Calibration, GpuConstants, default_calibration
 from frenzy_prefect.spec.gpu import GpuType
-from frenzy_prefect.spec.layout import check_plan, layer_parameters, parameter_sizes, stage_shapes, uses_ddp, zero_bucket_elements
+from frenzy_prefect.spec.layout import (
+    check_plan,
+    layer_parameters,
+    parameter_sizes,
+    stage_shapes,
+    stage_tensor_sizes,
+    uses_ddp,
+    zero_bucket_elements,
+)
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import MemoryBreakdown, MemoryEstimate, ParallelPlan
 from frenzy_prefect.spec.request import Precision
@@ -216,14 +225,32 @@ def stage_peaks(
     for stage in range(plan.pp) if stages is None else stages:
         layers, params, largest = shapes[stage]
         moments = activation_moments(terms, plan, layers=layers, micro_batches=micro_batches, stage=stage)
-        if plan.zero:
+        if plan.zero >= 2:
             out.append(_zero_peak(model, plan, moments, micro_batches, optimizer_bytes_per_param, on_gpu))
             continue
-        step = (moments.ids, adam_temporaries(params if on_gpu else largest, optimizer_bytes_per_param, on_gpu))
-        rebuild = (moments.ids, FP32 * params if uses_ddp(plan) else 0)
-        saved, transient = max((*moments.before_grads, moments.block, moments.embedding or step, step, rebuild), key=sum)
-        out.append((FP32 * params, FP32 * params, optimizer_bytes_per_param * params, saved, transient))
+        # ZeRO-1: each data-parallel rank updates its share of the tensors; the worst share decides.
+        shares = optimizer_shares(model, plan, stage) if plan.zero == 1 else ((params, largest),)
+        worst: Breakdown = (0, 0, 0, 0, 0)
+        for owned, owned_largest in shares:
+            step = (moments.ids, adam_temporaries(owned if on_gpu else owned_largest, optimizer_bytes_per_param, on_gpu))
+            rebuild = (moments.ids, FP32 * params if uses_ddp(plan) else 0)
+            saved, transient = max((*moments.before_grads, moments.block, moments.embedding or step, step, rebuild), key=sum)
+            worst = max(worst, (FP32 * params, FP32 * params, optimizer_bytes_per_param * owned, saved, transient), key=sum)
+        out.append(worst)
     return out
+
+
+@lru_cache(maxsize=4096)
+def optimizer_shares(model: ModelSpec, plan: ParallelPlan, stage: int) -> tuple[tuple[int, int], ...]:
+    """(elements, largest tensor) each data-parallel rank of ``stage`` updates under ZeRO-1, as
+    torch's ZeroRedundancyOptimizer deals whole tensors out: largest first, each to the rank
+    holding the fewest elements so far."""
+    totals, largest = [0] * plan.dp, [0] * plan.dp
+    for n in sorted(stage_tensor_sizes(model, plan, stage), reverse=True):
+        rank = totals.index(min(totals))
+        totals[rank] += n
+        largest[rank] = max(largest[rank], n)
+    return tuple(zip(totals, largest, strict=True))
 
 
 def _runtime(constants: GpuConstants, tensors: int) -> int:
@@ -299,15 +326,14 @@ def _zero_peak(
     model: ModelSpec, plan: ParallelPlan, moments: Moments, micro_batches: int, optimizer_bytes_per_param: int, on_gpu: bool
 ) -> Breakdown:
     """(params, grads, optimizer, saved, transient) at the peak of the worst data-parallel rank
-    under DeepSpeed's ZeRO (tp = pp = 1, fp32 weights), as DeepSpeed 0.19 allocates:
+    under DeepSpeed's ZeRO-2 or 3 (tp = pp = 1, fp32 weights), as DeepSpeed 0.19 allocates:
 
-    - stages 1-2 flatten the weights (padded to a multiple of 2 * dp); each rank owns a slice of P
+    - stage 2 flattens the weights (padded to a multiple of 2 * dp); each rank owns a slice of P
       elements with an fp32 master copy and the optimizer states. Gradients reduce through one
-      bucket, allocated at the first gradient of each backward; stage 1 keeps every gradient until
-      the end of backward, then gathers its slice's (the tensors overlapping it, G_in); stage 2
-      frees each gradient once bucketed and keeps G_in from the first bucket carrying its slice
-      (accumulating, the previous micro-batches' G_in too). Gradients kept across micro-batches
-      of one step are there from the second micro-batch's forward on.
+      bucket, allocated at the first gradient of each backward; each gradient is freed once
+      bucketed, and the tensors overlapping the rank's slice (G_in) are kept from the first bucket
+      carrying it (accumulating, the previous micro-batches' G_in too, from the second
+      micro-batch's forward on).
     - stage 3 partitions each tensor (P3 elements per rank, with master, gradient and optimizer
       slices and a persistent bucket) and, in steady state, keeps every weight gathered from the
       forward until its gradient has arrived; a reduce-scatter of the bucket copies it twice (gloo).
@@ -337,18 +363,11 @@ def _zero_peak(
         if elements < 0:  # no rank of this kind
             continue
         overlap = FP32 * elements
-        if plan.zero == 1:
-            kept = FP32 * n if accumulating else 0
-            candidates = [(weights, kept, states, saved, transient) for saved, transient in moments.before_grads]
-            candidates.append((weights, (FP32 * n if accumulating else FP32 * head) + bucket, states, *block))
-            candidates.append((weights, (FP32 * n if accumulating else FP32 * (n - embeddings)) + bucket, states, *embedding))
-            candidates.append((weights, FP32 * n + bucket + overlap, states, ids, 0))  # end of backward
-        else:
-            # Accumulating, the slice's gradients so far stay while a second buffer receives this micro-batch's.
-            kept = overlap if accumulating else 0
-            candidates = [(weights, kept, states, saved, transient) for saved, transient in moments.before_grads]
-            candidates.append((weights, bucket + kept + (overlap if owns_tail else 0), states, *block))
-            candidates.append((weights, bucket + kept + overlap, states, *embedding))
+        # Accumulating, the slice's gradients so far stay while a second buffer receives this micro-batch's.
+        kept = overlap if accumulating else 0
+        candidates = [(weights, kept, states, saved, transient) for saved, transient in moments.before_grads]
+        candidates.append((weights, bucket + kept + (overlap if owns_tail else 0), states, *block))
+        candidates.append((weights, bucket + kept + overlap, states, *embedding))
         candidates.append((weights, overlap, states, ids, 8 * layout.largest))  # gradient norm in float64
         candidates.append((weights, overlap, states, ids, FP32 * part))  # the slice's gradient flattened
         candidates.append((weights, 0, states, ids, FP32 * part + adam_temporaries(part, optimizer_bytes_per_param, on_gpu)))

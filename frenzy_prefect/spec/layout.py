@@ -26,9 +26,9 @@ def check_plan(model: ModelSpec, plan: ParallelPlan) -> None:
         )
     if plan.pp > model.layers:
         raise FrenzyError(f"pp ({plan.pp}) must not exceed the number of layers ({model.layers}); accepted: 1..{model.layers}")
-    if plan.zero and (plan.tp > 1 or plan.pp > 1):
+    if plan.zero >= 2 and (plan.tp > 1 or plan.pp > 1):
         raise FrenzyError(
-            f"zero={plan.zero} is modelled as DeepSpeed runs it here, over data parallelism only; use tp=1 and pp=1, or zero=0 with tp/pp"
+            f"zero={plan.zero} runs through DeepSpeed here, over data parallelism only; use tp=1 and pp=1, or zero=0 or 1 with tp/pp"
         )
 
 
@@ -72,10 +72,23 @@ def layer_parameters(model: ModelSpec, tp: int) -> tuple[int, int]:
     return total, total - 2 * model.norm_parameters
 
 
+def stage_tensor_sizes(model: ModelSpec, plan: ParallelPlan, stage: int) -> list[int]:
+    """Elements of every parameter tensor on a rank of a stage (tp rank 0): its layers, the
+    embeddings on the first stage, the final norm and head on the last (a separate copy of a tied
+    embedding when the stages differ). Embeddings and head are replicated over tp."""
+    h, V = model.hidden, model.padded_vocab
+    sizes = block_tensors(model, plan.tp) * stage_layer_counts(model.layers, plan.pp)[stage]
+    if stage == 0:
+        sizes += [V * h] + ([model.max_seq_len * h] if model.position == "learned" else [])
+    if stage == plan.pp - 1:
+        sizes += [h, h] if model.norm == "layernorm" else [h]
+        if not model.tied_embeddings or plan.pp > 1:
+            sizes.append(V * h)
+    return sizes
+
+
 def stage_parameters(model: ModelSpec, plan: ParallelPlan, stage: int) -> int:
-    """Parameters on a rank of a stage: its layers (tp rank 0), the embeddings on the first stage,
-    the final norm and head on the last (a separate copy of a tied embedding when the stages differ).
-    Embeddings and head are replicated over tp."""
+    """Parameters on a rank of a stage (``stage_tensor_sizes``)."""
     n = stage_layer_counts(model.layers, plan.pp)[stage] * layer_parameters(model, plan.tp)[0]
     if stage == 0:
         n += model.embedding_parameters
@@ -88,13 +101,7 @@ def stage_parameters(model: ModelSpec, plan: ParallelPlan, stage: int) -> int:
 
 def largest_tensor(model: ModelSpec, plan: ParallelPlan, stage: int) -> int:
     """Elements of the largest parameter tensor on a rank of ``stage``."""
-    h = model.hidden
-    sizes = block_tensors(model, plan.tp)
-    if stage == 0:
-        sizes += [model.padded_vocab * h, model.max_seq_len * h if model.position == "learned" else 0]
-    if stage == plan.pp - 1 and (not model.tied_embeddings or plan.pp > 1):
-        sizes.append(model.padded_vocab * h)
-    return max(sizes)
+    return max(stage_tensor_sizes(model, plan, stage))
 
 
 @lru_cache(maxsize=4096)

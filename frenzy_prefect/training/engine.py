@@ -5,7 +5,10 @@
   micro-batch. The schedule is written here rather than taken from torch.distributed.pipelining
   because that module's backward (``autograd.grad`` over stage inputs) cannot run under
   MemTracker, which must measure this engine.
-- ZeRO 1-3: DeepSpeed's engine over ``dp`` ranks (no tp or pp), with the same model.
+- ZeRO 1 (with any tp and pp): the same, with torch's ZeroRedundancyOptimizer over the data-parallel
+  group: each replica keeps the optimizer states of its share of whole tensors and broadcasts
+  what it updated (Megatron's distributed optimizer, over fp32 weights).
+- ZeRO 2-3: DeepSpeed's engine over ``dp`` ranks (no tp or pp), with the same model.
 Bf16 and fp16 use torch autocast over fp32 weights in both paths, so activations are alike.
 """
 
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from frenzy_prefect.errors import FrenzyError
@@ -39,11 +43,16 @@ def check_engine_plan(spec: ModelSpec, plan: ParallelPlan, precision: Precision)
         raise FrenzyError("fp16 loss scaling is implemented for plain data parallelism (tp=1, pp=1, zero=0); use bf16 or fp32")
 
 
-def make_optimizer(params: list[torch.nn.Parameter], settings: OptimizerSettings) -> torch.optim.Optimizer:
+def make_optimizer(params: list[torch.nn.Parameter], settings: OptimizerSettings, shard_over=None) -> torch.optim.Optimizer:
+    """The optimizer ``settings`` name; ``shard_over`` a process group: ZeRO-1 over it."""
     if settings.name == "sgd":
-        return torch.optim.SGD(params, lr=settings.lr, momentum=settings.momentum, weight_decay=settings.weight_decay)
-    cls = torch.optim.AdamW if settings.name == "adamw" else torch.optim.Adam
-    return cls(params, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay)
+        cls, kwargs = torch.optim.SGD, {"momentum": settings.momentum}
+    else:
+        cls, kwargs = (torch.optim.AdamW if settings.name == "adamw" else torch.optim.Adam), {"betas": settings.betas}
+    kwargs |= {"lr": settings.lr, "weight_decay": settings.weight_decay}
+    if shard_over is None:
+        return cls(params, **kwargs)
+    return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=shard_over, **kwargs)
 
 
 def zero_config(spec: ModelSpec, plan: ParallelPlan, accumulation: int, settings: OptimizerSettings) -> dict:
@@ -146,10 +155,11 @@ class Engine:
                 process_group=self.groups.dp,
                 gradient_as_bucket_view=True,
             )
-        self.optimizer = make_optimizer([p for p in self.model.parameters() if p.requires_grad], optimizer)
+        sharded = self.groups.dp if self.groups and plan.zero == 1 and plan.dp > 1 else None
+        self.optimizer = make_optimizer([p for p in self.model.parameters() if p.requires_grad], optimizer, sharded)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor)
         self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-        self.deepspeed = self._start_zero(accumulation) if plan.zero else None
+        self.deepspeed = self._start_zero(accumulation) if plan.zero >= 2 else None
 
     def _start_zero(self, accumulation: int):
         """Hand model, optimizer and schedule to DeepSpeed's ZeRO engine (its optimizer wraps ours)."""

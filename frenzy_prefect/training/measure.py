@@ -138,7 +138,7 @@ def measure_rank(work: Workload, ctx: DistributedContext) -> RankMemory:
             device=device,
         )
         tracker.track_modules(engine.model)
-        tracker.track_external(engine.optimizer)
+        tracker.track_external(engine.optimizer, *([engine.optimizer.optim] if hasattr(engine.optimizer, "optim") else []))
         tracker.restart_peak()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
