@@ -107,7 +107,10 @@ def test_plan_json_chooses_a_placement_on_the_example_cluster():
             ["estimate", "gpt2-small", "--zero", "2", "--pp", "2"],
             "zero=2 is modelled as DeepSpeed runs it here, over data parallelism only",
         ),
-        (["measure", "gpt-nano", "--tp", "3"], "tp (3) must divide heads (4), kv_heads (4), hidden (128) and ffn_hidden (512); accepted: [1, 2, 4]"),
+        (
+            ["measure", "gpt-nano", "--tp", "3"],
+            "tp (3) must divide heads (4), kv_heads (4), hidden (128) and ffn_hidden (512); accepted: [1, 2, 4]",
+        ),
         (["measure", "gpt-nano", "--tp", "2", "--precision", "fp16"], "fp16 loss scaling is implemented for plain data parallelism"),
         (["estimate", "gpt2-small", "--precision", "fp8"], "precision: Input should be 'fp32', 'bf16' or 'fp16' (got 'fp8')"),
         (["estimate", "gpt2-small", "--recompute", "some"], "recompute: Input should be 'none', 'selective' or 'full' (got 'some')"),

@@ -19,6 +19,10 @@ class GpuType(BaseModel):
         default=0.4, gt=0, le=1, description="Fraction of the dense peak a large training kernel mix reaches (model FLOPs utilisation)."
     )
     supports_bf16: bool = True
-    runtime_overhead_bytes: NonNegativeInt = Field(
-        default=0, description="CUDA context, library workspaces and allocator headroom per GPU."
+    runtime_overhead_bytes: NonNegativeInt | None = Field(
+        default=None,
+        description=(
+            "CUDA context, NCCL buffers and library workspaces per GPU, in one number, for a type the packaged calibration "
+            "(memory/calibration.json) lacks; None: the calibration's entry, or its assumption for unknown types."
+        ),
     )
