@@ -10,7 +10,10 @@ from frenzy_prefect.allocator.placement import place
 from frenzy_prefect.errors import ClusterBusy, NoFeasiblePlan
 from frenzy_prefect.profiling.model import PRESETS
 from frenzy_prefect.spec.cluster import ClusterSpec, ClusterState, Node
+from frenzy_prefect.spec.gpu import MemoryMargin
+from frenzy_prefect.spec.plan import PlanCandidate
 from frenzy_prefect.spec.request import TrainingRequest
+from frenzy_prefect.units import GIB
 
 from .conftest import EXAMPLE_CLUSTER
 
@@ -64,12 +67,26 @@ def test_a_job_no_gpu_can_hold_names_the_smallest_need_and_the_largest_gpu():
     message = str(exc.value)
     assert "the smallest per-GPU requirement found is" in message
     assert "the largest GPU available is A10 with 22.49 GiB (node a10-node)" in message
+    assert "GiB short:" in message and "GiB margin > 22.49 GiB" in message
 
 
-def test_every_ranked_candidate_that_fits_comes_before_any_that_does_not():
-    _, cands = _allocate(model="gpt2-small", global_batch=64, seq_len=1024)
-    fits = [c.fits for c in cands]
-    assert fits == sorted(fits, reverse=True) and any(fits) and not all(fits)
+def test_a_plan_fits_only_with_its_margin_kept():
+    chosen, _ = _allocate()
+    exact = chosen.gpu_memory_bytes - chosen.memory.peak_bytes
+    assert chosen.margin_bytes == MemoryMargin().bytes_for(chosen.gpu_memory_bytes) > GIB  # 5% of an A10: 1.12 GiB
+    assert chosen.spare_bytes == exact - chosen.margin_bytes >= 0
+    keep = dict(chosen)
+    assert PlanCandidate(**keep | {"margin_bytes": exact}).fits
+    assert not PlanCandidate(**keep | {"margin_bytes": exact + 1}).fits  # fits only by eating the margin: rejected
+    assert MemoryMargin().bytes_for(80 * GIB) == 4 * GIB and MemoryMargin().bytes_for(16 * GIB) == GIB  # the floor
+
+
+def test_the_cluster_file_sets_the_margin_and_a_margin_too_large_rejects_every_plan():
+    greedy = CLUSTER.model_copy(update={"memory_margin": MemoryMargin(fraction=0.49)})
+    req = TrainingRequest(model="gpt2-small", dataset="s3://b/d.txt", steps=1, global_batch=64, seq_len=1024, precision="fp32")
+    fitting = [c for c in allocator.candidate_plans(PRESETS["gpt2-small"], req, CLUSTER) if c.fits]
+    kept = [c for c in allocator.candidate_plans(PRESETS["gpt2-small"], req, greedy) if c.fits]
+    assert 0 < len(kept) < len(fitting) and all(c.memory.peak_bytes <= 0.51 * c.gpu_memory_bytes for c in kept)
 
 
 def _node(name, count):
