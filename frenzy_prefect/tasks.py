@@ -99,6 +99,8 @@ def estimate_memory(model: ModelSpec, request: TrainingRequest, state: ClusterSt
             "plan": c.plan.label(),
             **_breakdown_row(c.memory.peak_stage),
             "GPU memory GiB": gib(c.gpu_memory_bytes),
+            "margin GiB": gib(c.margin_bytes),
+            "spare GiB": gib(c.spare_bytes),
             "fits": "yes" if c.fits else "no",
             "step s (predicted)": f"{c.step_time_s:.4g}",
         }
@@ -131,7 +133,8 @@ def allocate(candidates: list[PlanCandidate], state: ClusterState) -> Allocation
             f"## Allocation\n\n"
             f"**{chosen.plan.gpus} x {chosen.gpu_type}**, {chosen.plan.label()}\n\n"
             f"- placement: {placed}\n"
-            f"- predicted peak memory per GPU: {gib(chosen.memory.peak_bytes)} GiB of {gib(chosen.gpu_memory_bytes)} GiB\n"
+            f"- predicted peak memory per GPU: {gib(chosen.memory.peak_bytes)} GiB of {gib(chosen.gpu_memory_bytes)} GiB; "
+            f"fits with {gib(chosen.spare_bytes)} GiB to spare (margin {gib(chosen.margin_bytes)} GiB kept)\n"
             f"- predicted step time: {chosen.step_time_s:.4g} s\n\n"
             + "| "
             + " | ".join(breakdown)

@@ -1,5 +1,6 @@
 """Memory sizes as people read them."""
 
+MIB = 1024**2
 GIB = 1024**3
 
 

@@ -10,9 +10,12 @@ from frenzy_prefect.allocator.placement import place
 from frenzy_prefect.errors import ClusterBusy, NoFeasiblePlan
 from frenzy_prefect.profiling.model import PRESETS
 from frenzy_prefect.spec.cluster import ClusterSpec, ClusterState, Node
+from frenzy_prefect.spec.gpu import MemoryMargin
+from frenzy_prefect.spec.plan import PlanCandidate
 from frenzy_prefect.spec.request import TrainingRequest
+from frenzy_prefect.units import GIB
 
-from .conftest import EXAMPLE_CLUSTER
+from .conftest import EXAMPLE_CLUSTER, ROOT
 
 CLUSTER = ClusterSpec.from_file(EXAMPLE_CLUSTER)
 
@@ -64,6 +67,60 @@ def test_a_job_no_gpu_can_hold_names_the_smallest_need_and_the_largest_gpu():
     message = str(exc.value)
     assert "the smallest per-GPU requirement found is" in message
     assert "the largest GPU available is A10 with 22.49 GiB (node a10-node)" in message
+    assert "GiB short:" in message and "GiB margin > 22.49 GiB" in message
+
+
+def test_a_plan_fits_only_with_its_margin_kept():
+    chosen, _ = _allocate()
+    exact = chosen.gpu_memory_bytes - chosen.memory.peak_bytes
+    assert chosen.margin_bytes == MemoryMargin().bytes_for(chosen.gpu_memory_bytes) > GIB  # 5% of an A10: 1.12 GiB
+    assert chosen.spare_bytes == exact - chosen.margin_bytes >= 0
+    keep = dict(chosen)
+    assert PlanCandidate(**keep | {"margin_bytes": exact}).fits
+    assert not PlanCandidate(**keep | {"margin_bytes": exact + 1}).fits  # fits only by eating the margin: rejected
+    assert MemoryMargin().bytes_for(80 * GIB) == 4 * GIB and MemoryMargin().bytes_for(16 * GIB) == GIB  # the floor
+
+
+def test_the_cluster_file_sets_the_margin_and_a_margin_too_large_rejects_every_plan():
+    greedy = CLUSTER.model_copy(update={"memory_margin": MemoryMargin(fraction=0.49)})
+    req = TrainingRequest(model="gpt2-small", dataset="s3://b/d.txt", steps=1, global_batch=64, seq_len=1024, precision="fp32")
+    fitting = [c for c in allocator.candidate_plans(PRESETS["gpt2-small"], req, CLUSTER) if c.fits]
+    kept = [c for c in allocator.candidate_plans(PRESETS["gpt2-small"], req, greedy) if c.fits]
+    assert 0 < len(kept) < len(fitting) and all(c.memory.peak_bytes <= 0.51 * c.gpu_memory_bytes for c in kept)
+    assert ClusterSpec.from_file(H100_CLUSTER).memory_margin == MemoryMargin()
+
+
+H100_CLUSTER = ROOT / "examples" / "clusters" / "h100x16.yaml"
+
+
+def _llama_on_h100(space):
+    cluster = ClusterSpec.from_file(H100_CLUSTER)
+    req = TrainingRequest(model="llama-3.1-8b", dataset="s3://b/d.bin", steps=1, global_batch=64, seq_len=8192)
+    cands = allocator.candidate_plans(PRESETS["llama-3.1-8b"], req, cluster, space)
+    return allocator.allocate(cands, ClusterState.idle(cluster)), cands
+
+
+def test_llama_3_1_8b_on_two_h100_nodes_gets_a_plan_a_megatron_user_would_recognise():
+    """What makes a plan sensible here, not a plan: it fits with the margin kept, its tensor
+    parallelism stays inside an NVLink node, it uses the 16 GPUs (each fewer-GPU plan is
+    predicted slower), and it is the fastest fitting plan."""
+    chosen, cands = _llama_on_h100("full")
+    assert chosen.fits and chosen.memory.peak_bytes + chosen.margin_bytes <= chosen.gpu_memory_bytes
+    assert chosen.margin_bytes == MemoryMargin().bytes_for(chosen.gpu_memory_bytes) > 3.9 * GIB
+    assert chosen.plan.tp <= 8 and all(len(p.gpus) % chosen.plan.tp == 0 for p in chosen.placements)
+    assert chosen.plan.gpus == 16 and sorted(len(p.gpus) for p in chosen.placements) == [8, 8]
+    fitting = [c for c in cands if c.fits]
+    assert chosen.step_time_s == min(c.step_time_s for c in fitting)
+    assert min(c.step_time_s for c in fitting if c.plan.gpus <= 8) > chosen.step_time_s
+    # 16 bytes of fp32 model state per parameter (weights, gradients, Adam): 8B parameters
+    # need their model states split over at least two GPUs before any activation.
+    assert chosen.plan.tp * chosen.plan.pp > 1 or chosen.plan.zero >= 2
+
+
+def test_llama_3_1_8b_cannot_train_data_parallel_alone_and_the_shortfall_is_named():
+    with pytest.raises(NoFeasiblePlan) as exc:
+        _llama_on_h100("engine")  # every GPU holds the fp32 model states whole: 16 B x 8B parameters
+    assert "GiB short:" in str(exc.value) and "GiB margin > 79.65 GiB" in str(exc.value)
 
 
 def test_every_ranked_candidate_that_fits_comes_before_any_that_does_not():

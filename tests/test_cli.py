@@ -86,6 +86,10 @@ def test_plan_json_chooses_a_placement_on_the_example_cluster():
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert data["chosen"]["gpu_type"] == "A10" and data["plans"][0]["gpu_type"] == "A10"
+    for plan in [data["chosen"], *data["plans"]]:
+        assert plan["margin_bytes"] > 0 and plan["spare_bytes"] >= 0
+    first = data["plans"][0]
+    assert first["spare_bytes"] == first["gpu_memory_bytes"] - first["margin_bytes"] - first["peak_bytes"]
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.memory import estimate, peak_bytes
 from frenzy_prefect.memory.analytic import optimizer_shares
-from frenzy_prefect.memory.calibration import Calibration, GpuConstants, fit
+from frenzy_prefect.memory.calibration import PACKAGED, UNKNOWN, Calibration, GpuConstants, fit
 from frenzy_prefect.profiling.model import PRESETS
 from frenzy_prefect.spec.catalog import GPU_CATALOG
 from frenzy_prefect.spec.layout import parameter_sizes, stage_parameters, uses_ddp
@@ -19,6 +19,7 @@ from frenzy_prefect.spec.plan import ParallelPlan
 from frenzy_prefect.spec.request import OptimizerSettings
 from frenzy_prefect.training.gpt import GPT
 from frenzy_prefect.training.measure import Workload, measure
+from frenzy_prefect.units import GIB
 
 NANO = PRESETS["gpt-nano"]
 
@@ -95,8 +96,13 @@ def test_gpu_constants_come_from_the_calibration_and_are_zero_without_a_gpu():
     kwargs = dict(global_batch=1, seq_len=32, precision="fp32", optimizer_bytes_per_param=8)
     assert estimate(NANO, plan, **kwargs).peak_stage.other < 2**20  # CPU: tensors only
     tensors = estimate(NANO, plan, **kwargs, gpu=a10, calibration=Calibration(gpus={"A10": GpuConstants()})).peak_bytes
-    assumed = estimate(NANO, plan, **kwargs, gpu=a10, calibration=Calibration())  # no entry: the catalog's assumption
-    assert assumed.peak_bytes - tensors == a10.runtime_overhead_bytes
+    # No entry: the packaged assumption for the type, context, NCCL and cuBLAS workspaces apart.
+    constants = Calibration().for_gpu(a10)
+    assert constants.source == "assumed"
+    assert all(constants.sources[k].startswith("assumed: ") for k in ("cuda_context", "nccl", "workspace"))
+    assumed = estimate(NANO, plan, **kwargs, gpu=a10, calibration=Calibration())
+    overhead = constants.cuda_context_bytes + constants.nccl_bytes + constants.workspace_bytes
+    assert assumed.peak_bytes - tensors == overhead + math.ceil((constants.fragmentation - 1) * tensors)
     fitted = Calibration(gpus={"A10": GpuConstants(overhead_bytes=1000, fragmentation=1.5, source="fitted")})
     assert estimate(NANO, plan, **kwargs, gpu=a10, calibration=fitted).peak_bytes == 1000 + tensors + math.ceil(0.5 * tensors)
 
@@ -121,6 +127,47 @@ def test_a_calibration_file_is_loaded_and_a_bad_one_is_named(tmp_path):
         Calibration.load(path)
     with pytest.raises(FrenzyError, match="cannot read calibration file"):
         Calibration.load(tmp_path / "absent.json")
+
+
+def test_every_catalog_type_has_documented_assumptions_for_each_term():
+    packaged = Calibration.load(PACKAGED)
+    assert set(packaged.gpus) == set(GPU_CATALOG)
+    for name, constants in packaged.gpus.items():
+        assert constants.source == "assumed", name
+        assert set(constants.sources) == {"cuda_context", "nccl", "workspace", "fragmentation"}, name
+        assert all(text.startswith("assumed: ") and "https://" in text for text in constants.sources.values()), name
+        assert constants.overhead_bytes == constants.cuda_context_bytes + constants.nccl_bytes + constants.workspace_bytes
+        assert 0.5 * GIB <= constants.overhead_bytes <= 2 * GIB and 1.0 < constants.fragmentation < 1.2, name
+    # Hopper's cuBLAS workspaces are 32 MiB, NVLink parts run more NCCL channels than PCIe ones.
+    h100, a10 = packaged.gpus["H100"], packaged.gpus["A10"]
+    assert h100.workspace_bytes > a10.workspace_bytes and h100.nccl_bytes > a10.nccl_bytes
+
+
+def test_an_older_file_with_one_overhead_still_loads_and_the_terms_must_add_up(tmp_path):
+    path = tmp_path / "old.json"
+    path.write_text('{"gpus": {"A10": {"overhead_bytes": 700, "fragmentation": 1.1, "source": "fitted", "note": "v1"}}}')
+    old = Calibration.load(path).for_gpu(GPU_CATALOG["A10"])
+    assert (old.overhead_bytes, old.cuda_context_bytes, old.nccl_bytes, old.fragmentation) == (700, 700, 0, 1.1)
+    path.write_text(Calibration.load(path).model_dump_json())  # written back with the terms apart, and the sum
+    assert Calibration.load(path).for_gpu(GPU_CATALOG["A10"]) == old
+    path.write_text('{"gpus": {"A10": {"overhead_bytes": 5, "cuda_context_bytes": 3, "nccl_bytes": 1}}}')
+    with pytest.raises(FrenzyError, match=r"overhead_bytes \(5\) must be the sum"):
+        Calibration.load(path)
+
+
+def test_a_fitted_type_keeps_the_assumed_nccl_term_and_unlisted_types_fall_back(tmp_path):
+    h100 = GPU_CATALOG["H100"]
+    fitted = fit([10_000_000, 40_000_000], [600_000_000, 640_000_000])
+    path = tmp_path / "fitted.json"
+    path.write_text(Calibration(gpus={"H100": fitted}).model_dump_json())
+    constants = Calibration.load(path).for_gpu(h100)  # single-GPU runs open no communicator
+    assert constants.source == "fitted" and constants.nccl_bytes == Calibration.load(PACKAGED).gpus["H100"].nccl_bytes
+    assert constants.overhead_bytes == fitted.overhead_bytes + constants.nccl_bytes
+    assert Calibration.load(path).for_gpu(GPU_CATALOG["T4"]) == Calibration.load(PACKAGED).gpus["T4"]
+    declared = h100.model_copy(update={"name": "G3", "runtime_overhead_bytes": 123})
+    assert Calibration().for_gpu(declared).overhead_bytes == 123
+    assert Calibration().for_gpu(h100.model_copy(update={"name": "G4"})) == UNKNOWN
+    assert GpuConstants().overhead_bytes == 0 and GpuConstants().fragmentation == 1.0  # neutral: what calibrate fits against
 
 
 @pytest.mark.parametrize(

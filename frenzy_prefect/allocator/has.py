@@ -17,12 +17,15 @@ def allocate(candidates: list[PlanCandidate], state: ClusterState) -> Allocation
     feasible = [c for c in candidates if c.fits]
     if not feasible:
         smallest = min(candidates, key=lambda c: c.memory.peak_bytes)
+        closest = max(candidates, key=lambda c: c.spare_bytes)
         biggest_gpu, node = max(((cluster.gpu_of(n), n) for n in cluster.nodes), key=lambda g: g[0].memory_bytes)
         raise NoFeasiblePlan(
             f"no GPU type in cluster {cluster.name!r} can hold this job under any plan: the smallest "
             f"per-GPU requirement found is {gib(smallest.memory.peak_bytes, 2)} GiB ({smallest.plan.label()} on "
             f"{smallest.gpu_type}), the largest GPU available is {node.gpu_type} with "
-            f"{gib(biggest_gpu.memory_bytes, 2)} GiB (node {node.name})"
+            f"{gib(biggest_gpu.memory_bytes, 2)} GiB (node {node.name}); the closest plan, {closest.plan.label()} on "
+            f"{closest.gpu_type}, is {gib(-closest.spare_bytes, 2)} GiB short: {gib(closest.memory.peak_bytes, 2)} GiB predicted "
+            f"+ {gib(closest.margin_bytes, 2)} GiB margin > {gib(closest.gpu_memory_bytes, 2)} GiB"
         )
     for c in feasible:
         free = [(n, state.free_gpus.get(n.name, [])) for n in cluster.nodes if n.gpu_type == c.gpu_type]

@@ -52,8 +52,8 @@ def engine_plans(global_batch: int, max_gpus: int) -> Iterator[ParallelPlan]:
 
 def plan_space(model: ModelSpec, global_batch: int, max_gpus: int, node_gpus: int) -> Iterator[ParallelPlan]:
     """Every plan the memory model covers, within ``max_gpus``: tensor parallelism inside one
-    node (splitting heads, key/value heads, hidden and ffn evenly), pipeline depths in powers of two, ZeRO 1-3 over data
-    parallelism alone, and each recomputation mode."""
+    node (splitting heads, key/value heads, hidden and ffn evenly), pipeline depths in powers of two, ZeRO-1 with any of
+    them and ZeRO 2-3 over data parallelism alone, and each recomputation mode."""
     tps = [t for t in _divisors(min(node_gpus, model.heads)) if tp_splits(model, t)]
     pps = [1 << k for k in range(model.layers.bit_length()) if 1 << k <= model.layers]
     for dp in _divisors(global_batch):
@@ -61,7 +61,7 @@ def plan_space(model: ModelSpec, global_batch: int, max_gpus: int, node_gpus: in
             for pp in pps:
                 if dp * tp * pp > max_gpus:
                     break
-                zeros = (0, 1, 2, 3) if dp > 1 and tp == pp == 1 else (0,)
+                zeros = ((0, 1, 2, 3) if tp == pp == 1 else (0, 1)) if dp > 1 else (0,)
                 for micro_batch in _divisors(global_batch // dp):
                     for zero in zeros:
                         for recompute in ("none", "selective", "full"):
@@ -71,7 +71,8 @@ def plan_space(model: ModelSpec, global_batch: int, max_gpus: int, node_gpus: in
 def candidate_plans(
     model: ModelSpec, request: TrainingRequest, cluster: ClusterSpec, space: Literal["engine", "full"] = "engine"
 ) -> list[PlanCandidate]:
-    """All candidates, fitting ones first, each group by predicted step time (the job's steps
+    """All candidates, fitting ones (predicted peak plus the cluster's memory margin within the
+    GPU) first, each group by predicted step time (the job's steps
     are fixed, so this is its predicted completion time), then fewer GPUs (GPU-seconds), fewer
     accumulation steps, no recomputation. ``space``: the plans a training job runs today
     (``engine_plans``), or every plan the memory model covers (``plan_space``)."""
@@ -86,6 +87,7 @@ def candidate_plans(
             )
     out: list[PlanCandidate] = []
     for name, (gpu, total, largest) in kinds.items():
+        margin = cluster.memory_margin.bytes_for(gpu.memory_bytes)
         plans = engine_plans(request.global_batch, total) if space == "engine" else plan_space(model, request.global_batch, total, largest)
         for plan in plans:
             network = None if plan.gpus <= largest else cluster.network_gbps
@@ -97,6 +99,7 @@ def candidate_plans(
                         model, plan, **workload, optimizer_bytes_per_param=request.optimizer.state_bytes_per_parameter, gpu=gpu
                     ),
                     gpu_memory_bytes=gpu.memory_bytes,
+                    margin_bytes=margin,
                     step_time_s=predict_step(model, plan, **workload, gpu=gpu, network_gbps=network).seconds,
                 )
             )

@@ -46,14 +46,22 @@ def plan(
                 "gpus": c.plan.gpus,
                 "plan": c.plan.model_dump(),
                 "peak_bytes": c.memory.peak_bytes,
+                "gpu_memory_bytes": c.gpu_memory_bytes,
+                "margin_bytes": c.margin_bytes,
+                "spare_bytes": c.spare_bytes,
                 "step_time_s": c.step_time_s,
             }
             for c in ranked
         ]
         echo_json({"plans": plans, "chosen": chosen.model_dump(mode="json")})
         return
-    table = Table(title=f"{model}, global batch {global_batch} x {seq_len} tokens, on {state.cluster.name}")
-    for column in ("#", "GPUs", "type", "dp", "tp", "pp", "mb", "ZeRO", "recompute", "peak GiB", "of GiB", "step s"):
+    margin = state.cluster.memory_margin
+    table = Table(
+        title=f"{model}, global batch {global_batch} x {seq_len} tokens, on {state.cluster.name}",
+        caption=f"peak: predicted tensors and the GPU around them; spare: what is left after a margin of "
+        f"max({margin.fraction:.0%} of the GPU, {gib(margin.floor_bytes, 1)} GiB)",
+    )
+    for column in ("#", "GPUs", "type", "dp", "tp", "pp", "mb", "ZeRO", "recompute", "peak GiB", "of GiB", "spare GiB", "step s"):
         table.add_column(column, justify="left" if column in ("type", "recompute") else "right")
     for i, c in enumerate(ranked, 1):
         p = c.plan
@@ -70,8 +78,9 @@ def plan(
                     p.micro_batch,
                     p.zero,
                     p.recompute,
-                    gib(c.memory.peak_bytes),
-                    gib(c.gpu_memory_bytes),
+                    gib(c.memory.peak_bytes, 2),
+                    gib(c.gpu_memory_bytes, 2),
+                    gib(c.spare_bytes, 2),
                 ),
             ),
             f"{c.step_time_s:.4g}",
@@ -80,3 +89,7 @@ def plan(
     console.print(table)
     placed = ", ".join(f"{p.node} GPUs {p.gpus}" for p in chosen.placements)
     console.print(f"chosen: {chosen.plan.gpus} x {chosen.gpu_type}, {chosen.plan.label()} on {placed}")
+    console.print(
+        f"predicted peak {gib(chosen.memory.peak_bytes, 1)} GiB of {gib(chosen.gpu_memory_bytes, 1)} GiB per GPU: fits with "
+        f"{gib(chosen.spare_bytes, 1)} GiB to spare (margin {gib(chosen.margin_bytes, 1)} GiB kept)"
+    )

@@ -5,12 +5,13 @@ is an assumption until step times are measured on the type (``step_time.fit_achi
 ~0.4 of peak is what well-tuned Megatron/DeepSpeed runs report on A100/H100, less on parts
 whose tensor peak is harder to feed (T4 throttles, consumer cards lack the bandwidth), more on
 P100, whose small fp16 peak is easy to reach. Clusters may declare types the catalog lacks or
-override these (their own ``gpu_types``)."""
+override these (their own ``gpu_types``). What a GPU holds around the tensors (CUDA context,
+NCCL buffers, cuBLAS workspaces, fragmentation) is not here but in ``memory/calibration.json``,
+one documented entry per type."""
 
 from __future__ import annotations
 
 from frenzy_prefect.spec.gpu import GpuType
-from frenzy_prefect.units import GIB
 
 
 def _gpu(
@@ -32,8 +33,6 @@ def _gpu(
         memory_bandwidth_gbps=memory_gbps,
         achievable_fraction=achievable,
         supports_bf16=bf16,
-        # CUDA context, cuBLAS/cuDNN workspaces and allocator slack; calibrated per type later.
-        runtime_overhead_bytes=int(0.75 * GIB),
     )
 
 

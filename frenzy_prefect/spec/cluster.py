@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, m
 
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.spec.catalog import GPU_CATALOG
-from frenzy_prefect.spec.gpu import GpuType
+from frenzy_prefect.spec.gpu import GpuType, MemoryMargin
 from frenzy_prefect.units import GIB
 
 
@@ -33,6 +33,9 @@ class ClusterSpec(BaseModel):
     nodes: list[Node] = Field(min_length=1)
     gpu_types: dict[str, GpuType] = Field(default_factory=dict, description="Types the built-in catalog lacks (or overrides).")
     network_gbps: PositiveFloat = Field(default=3.125, description="Bandwidth between nodes, GB/s (25 Gb/s).")
+    memory_margin: MemoryMargin = Field(
+        default_factory=MemoryMargin, description="GPU memory every plan leaves unused beyond its predicted peak."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ClusterSpec:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, computed_field, model_validator
 
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.spec.cluster import ClusterSpec
@@ -84,7 +84,9 @@ class MemoryEstimate(BaseModel):
 
 
 class PlanCandidate(BaseModel):
-    """A plan on a GPU type, with its predicted memory and step time."""
+    """A plan on a GPU type, with its predicted memory and step time. It fits when its
+    predicted peak (tensors and the GPU around them) plus the safety margin is within the GPU's
+    memory: ``spare_bytes`` is what is left beyond both (negative: the shortfall)."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -93,10 +95,16 @@ class PlanCandidate(BaseModel):
     memory: MemoryEstimate
     gpu_memory_bytes: PositiveInt
     step_time_s: PositiveFloat
+    margin_bytes: NonNegativeInt = Field(default=0, description="Memory kept free beyond the predicted peak (spec.gpu.MemoryMargin).")
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def spare_bytes(self) -> int:
+        return self.gpu_memory_bytes - self.margin_bytes - self.memory.peak_bytes
 
     @property
     def fits(self) -> bool:
-        return self.memory.peak_bytes <= self.gpu_memory_bytes
+        return self.spare_bytes >= 0
 
 
 class Placement(BaseModel):
