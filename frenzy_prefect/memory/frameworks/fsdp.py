@@ -135,3 +135,11 @@ def estimate(
             MemoryBreakdown.model_construct(params=params, grads=g, optimizer=o, activations=activations, other=transient + overhead_bytes)
         ]
     )
+
+
+def reserved_allowance(model: ModelSpec, plan: ParallelPlan, seq_len: int) -> int:
+    """What the caching allocator holds beyond the allocated peak (for a peak-reserved figure):
+    the bf16 logits' block (2 sbV/t), freed before the backward and too small for the fp32
+    gradients allocated at the peak, so it stays reserved and unused then. Other fragmentation
+    is not modelled."""
+    return BF16 * plan.micro_batch * seq_len * model.padded_vocab // plan.tp

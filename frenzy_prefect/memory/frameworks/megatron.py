@@ -213,8 +213,6 @@ def _check(model: ModelSpec, plan: ParallelPlan, options: MegatronOptions, micro
     v = options.vpp or 1
     if v > 1 and (plan.pp < 2 or model.layers % (plan.pp * v)):
         raise FrenzyError(f"vpp={v} needs pp >= 2 and layers ({model.layers}) divisible by pp * vpp ({plan.pp * v})")
-    if v > 1 and micro_batches % plan.pp:
-        raise FrenzyError(f"the interleaved schedule needs micro-batches ({micro_batches}) divisible by pp ({plan.pp})")
 
 
 def model_state_bytes(plan: ParallelPlan, params: int, precision: Precision, optimizer_bytes_per_param: int) -> tuple[int, int, int]:
