@@ -124,7 +124,11 @@ def test_a_calibration_file_is_loaded_and_a_bad_one_is_named(tmp_path):
 @pytest.mark.parametrize(
     ("plan", "global_batch", "message"),
     [
-        (ParallelPlan(tp=3), 1, r"tp \(3\) must divide heads \(4\), kv_heads \(4\), hidden \(128\) and ffn_hidden \(512\); accepted: \[1, 2, 4\]"),
+        (
+            ParallelPlan(tp=3),
+            1,
+            r"tp \(3\) must divide heads \(4\), kv_heads \(4\), hidden \(128\) and ffn_hidden \(512\); accepted: \[1, 2, 4\]",
+        ),
         (ParallelPlan(pp=5), 1, r"pp \(5\) must not exceed the number of layers \(4\); accepted: 1..4"),
         (ParallelPlan(dp=2, micro_batch=2), 6, r"global_batch \(6\) must be divisible by dp \* micro_batch \(2 \* 2 = 4\)"),
     ],

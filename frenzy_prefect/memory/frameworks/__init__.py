@@ -10,6 +10,7 @@ Each module's docstring states what it assumes and where that comes from.
 
 from __future__ import annotations
 
+import inspect
 from typing import Literal
 
 from frenzy_prefect.errors import FrenzyError
@@ -49,12 +50,14 @@ def estimate(
     check_framework(framework)
     common = dict(global_batch=global_batch, seq_len=seq_len, precision=precision, optimizer_bytes_per_param=optimizer_bytes_per_param)
     if framework == "frenzy":
-        if attention != "flash":
-            raise FrenzyError("the frenzy estimate models the engine's fused (flash) attention; for eager use --framework megatron or fsdp")
         if options is not None:
-            raise FrenzyError("framework options apply to megatron and fsdp only")
+            raise FrenzyError("framework options (sequence parallelism, vpp) apply to megatron and fsdp only")
         from frenzy_prefect.memory.analytic import estimate as engine_estimate
 
+        if "attention" in inspect.signature(engine_estimate).parameters:  # MARP models eager attention too
+            common["attention"] = attention
+        elif attention != "flash":
+            raise FrenzyError("the frenzy estimate models the engine's fused (flash) attention only; eager: --framework megatron or fsdp")
         return engine_estimate(model, plan, gpu=gpu, **common)
     overhead = gpu.runtime_overhead_bytes if gpu is not None else 0
     if framework == "megatron":
