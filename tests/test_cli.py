@@ -115,6 +115,11 @@ def test_plan_json_chooses_a_placement_on_the_example_cluster():
             ["measure", "gpt-nano", "--tp", "3"],
             "tp (3) must divide heads (4), kv_heads (4), hidden (128) and ffn_hidden (512); accepted: [1, 2, 4]",
         ),
+        (["estimate", "gpt2-small", "--framework", "fsdp", "--dp", "2"], "fsdp models torchtitan's FSDP2: zero=3 with pp=1"),
+        (["estimate", "gpt2-small", "--framework", "megatron", "--zero", "3"], "megatron models zero=0 (DDP) and zero=1"),
+        (["estimate", "gpt2-small", "--framework", "jax"], "unknown framework 'jax'; supported: frenzy, megatron, fsdp"),
+        (["estimate", "gpt2-small", "--vpp", "2"], "--sequence-parallel and --vpp apply to --framework megatron only"),
+        (["measure", "gpt-nano", "--framework", "megatron"], "measure runs this project's engine: --framework frenzy only"),
         (["measure", "gpt-nano", "--tp", "2", "--precision", "fp16"], "fp16 loss scaling is implemented for plain data parallelism"),
         (["estimate", "gpt2-small", "--precision", "fp8"], "precision: Input should be 'fp32', 'bf16' or 'fp16' (got 'fp8')"),
         (["estimate", "gpt2-small", "--recompute", "some"], "recompute: Input should be 'none', 'selective' or 'full' (got 'some')"),
@@ -174,3 +179,39 @@ def test_the_command_line_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("framework", "extra"),
+    [
+        ("frenzy", ["--attention", "flash"]),
+        ("megatron", ["--attention", "flash", "--zero", "1", "--pp", "2"]),
+        ("megatron", ["--attention", "eager", "--no-sequence-parallel"]),
+        ("fsdp", ["--attention", "flash", "--zero", "3", "--recompute", "selective"]),
+        ("fsdp", ["--attention", "eager", "--zero", "3"]),
+    ],
+)
+def test_estimate_json_of_each_framework_keeps_the_schema_and_says_what_it_counts(framework, extra):
+    out = frenzy("estimate", "llama-micro", "--dp", "2", "--tp", "2", "--seq-len", "128", "--framework", framework, *extra, "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["framework"] == framework and data["attention"] == extra[1]
+    assert data["figure"] == "tensors" and data["includes_gpu_overhead"] is False
+    assert data["peak_bytes"] == max(r["peak_bytes"] for r in data["per_rank"])
+    for r in data["per_rank"]:
+        assert set(r) == {"rank", "stage", "peak_bytes", "breakdown"} and r["peak_bytes"] == sum(r["breakdown"].values())
+
+
+def test_estimate_with_a_gpu_adds_its_overhead_and_says_so():
+    out = frenzy("estimate", "llama-micro", "--seq-len", "128", "--framework", "megatron", "--gpu", "H100", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["includes_gpu_overhead"] is True and data["figure"] == "tensors + GPU overhead (H100)"
+
+
+def test_estimate_text_states_the_figure_and_the_default_sequence_length():
+    out = frenzy("estimate", "llama-micro", "--framework", "megatron", "--tp", "2")
+    assert out.returncode == 0, out.stderr
+    assert "seq_len 512 (the model's max_seq_len; set --seq-len)" in out.stdout
+    assert "tensor bytes only (no CUDA context, NCCL buffers or allocator fragmentation" in out.stdout
+    assert "sequence parallelism on (default with tp > 1)" in out.stdout

@@ -73,7 +73,9 @@ def print_metrics(title: str, rows: list[tuple[str, str]]) -> None:
     Console().print(table)
 
 
-def training_request(model: str, global_batch: int, seq_len: int, precision: str, optimizer: str) -> TrainingRequest:
+def training_request(
+    model: str, global_batch: int, seq_len: int, precision: str, optimizer: str, attention: str = "flash"
+) -> TrainingRequest:
     """The workload a command describes, validated as a training request (it names no dataset),
     so that bad values get the same one-line errors as in a flow."""
     return TrainingRequest(
@@ -83,6 +85,7 @@ def training_request(model: str, global_batch: int, seq_len: int, precision: str
         seq_len=seq_len,
         steps=1,
         precision=precision,
+        attention=attention,
         optimizer={"name": optimizer},
     )
 

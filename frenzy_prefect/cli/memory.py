@@ -11,6 +11,7 @@ import typer
 
 from frenzy_prefect.cli.common import echo_json, gpu_type, training_request
 from frenzy_prefect.errors import FrenzyError
+from frenzy_prefect.memory.frameworks import FsdpOptions, MegatronOptions, check_framework
 from frenzy_prefect.memory.report import PerRank, estimated_per_rank, memory_report
 from frenzy_prefect.spec.plan import ParallelPlan
 from frenzy_prefect.units import gib
@@ -20,25 +21,46 @@ class Workload:
     """The options ``estimate`` and ``measure`` share, validated once (the same options, the same
     schema: docs/architecture.md, Contracts)."""
 
-    def __init__(self, model, dp, tp, pp, micro_batch, global_batch, seq_len, zero, recompute, precision, optimizer, gpu):
+    def __init__(
+        self, model, dp, tp, pp, micro_batch, global_batch, seq_len, zero, recompute, precision, optimizer, gpu, attention="flash"
+    ):
         from frenzy_prefect.profiling.model import resolve_model
 
         self.spec = resolve_model(model, seq_len=seq_len)
+        self.seq_len_default = seq_len is None
         self.plan = ParallelPlan(dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, zero=zero, recompute=recompute)
         self.request = training_request(
-            model, global_batch or self.plan.dp * self.plan.micro_batch, seq_len or self.spec.max_seq_len, precision, optimizer
+            model, global_batch or self.plan.dp * self.plan.micro_batch, seq_len or self.spec.max_seq_len, precision, optimizer, attention
         )
         self.gpu = gpu_type(gpu) if gpu else None  # the plan itself is checked by estimate/measure
+        self.framework = "frenzy"
+        self.options: MegatronOptions | FsdpOptions | None = None
+        self.notes: list[str] = []
+        self.measured = False
+
+    def seq_len_note(self) -> str:
+        s = self.request.seq_len
+        return f"seq_len {s} (the model's max_seq_len; set --seq-len)" if self.seq_len_default else f"seq_len {s}"
 
     def header(self) -> str:
-        return f"{self.spec.name} ({self.spec.parameters:,} parameters), {self.plan.label()}, {self.request.precision}"
+        return (
+            f"{self.spec.name} ({self.spec.parameters:,} parameters), {self.plan.label()}, {self.request.precision}, "
+            f"{self.request.attention} attention, {self.seq_len_note()}"
+        )
 
     def emit(self, per_rank: PerRank, as_json: bool) -> None:
-        out = memory_report(self.spec, self.plan, self.request, per_rank)
+        out = memory_report(self.spec, self.plan, self.request, per_rank, framework=self.framework, gpu=self.gpu, measured=self.measured)
         if as_json:
-            echo_json(out)
+            echo_json(out | {"seq_len_default": self.seq_len_default, "notes": self.notes})
             return
-        typer.echo(f"{self.header()}: peak {gib(out['peak_bytes'])} GiB per GPU")
+        what = "measured" if self.measured else f"as {self.framework} runs it"
+        typer.echo(f"{self.header()}: peak {gib(out['peak_bytes'])} GiB per GPU ({what})")
+        if self.gpu is None and not self.measured:
+            typer.echo("  figure: tensor bytes only (no CUDA context, NCCL buffers or allocator fragmentation; --gpu adds an overhead)")
+        else:
+            typer.echo(f"  figure: {out['figure']}")
+        for note in self.notes:
+            typer.echo(f"  {note}")
         for rank, b in per_rank:
             typer.echo(
                 f"  rank {rank} (stage {self.plan.coordinates(rank)[0]}): params {gib(b.params)}  grads {gib(b.grads)}"
@@ -52,7 +74,9 @@ TP = typer.Option(1, "--tp", help="Tensor-parallel ranks (must divide heads, hid
 PP = typer.Option(1, "--pp", help="Pipeline stages (1F1B), at most the number of layers.")
 MICRO_BATCH = typer.Option(1, "--micro-batch")
 GLOBAL_BATCH = typer.Option(None, "--global-batch", help="Default: dp * micro-batch.")
-SEQ_LEN = typer.Option(None, "--seq-len", help="Default: the model's max_seq_len.")
+SEQ_LEN = typer.Option(
+    None, "--seq-len", help="Tokens per sequence. Default: the model's max_seq_len (stated in the output; 131072 for Llama 3.1)."
+)
 ZERO = typer.Option(0, "--zero", help="ZeRO stage 0-3.")
 RECOMPUTE = typer.Option("none", "--recompute", help="none, selective or full.")
 PRECISION = typer.Option("bf16", "--precision", help="fp32, bf16 or fp16.")
@@ -61,6 +85,18 @@ GPU = typer.Option(
     None, "--gpu", help="GPU type: estimate adds its calibrated overhead (default: tensors only); measure only checks the name."
 )
 JSON = typer.Option(False, "--json")
+FRAMEWORK = typer.Option(
+    "frenzy",
+    "--framework",
+    help="Whose execution of the plan: frenzy (this engine), megatron (Megatron-LM) or fsdp (torchtitan FSDP2); measure: frenzy.",
+)
+ATTENTION = typer.Option("flash", "--attention", help="flash (fused, no s^2 scores) or eager (scores materialised).")
+SEQUENCE_PARALLEL = typer.Option(
+    None,
+    "--sequence-parallel/--no-sequence-parallel",
+    help="megatron: Megatron's sequence parallelism (default: on when tp > 1, as Megatron runs are usually launched).",
+)
+VPP = typer.Option(None, "--vpp", help="megatron: model chunks per pipeline rank (interleaved 1F1B); default: plain 1F1B.")
 
 
 def _memory_command(per_rank: Callable[[Workload], PerRank], doc: str) -> Callable[..., None]:
@@ -80,25 +116,55 @@ def _memory_command(per_rank: Callable[[Workload], PerRank], doc: str) -> Callab
         optimizer: str = OPTIMIZER,
         gpu: str | None = GPU,
         as_json: bool = JSON,
+        framework: str = FRAMEWORK,
+        attention: str = ATTENTION,
+        sequence_parallel: bool | None = SEQUENCE_PARALLEL,
+        vpp: int | None = VPP,
     ) -> None:
-        w = Workload(model, dp, tp, pp, micro_batch, global_batch, seq_len, zero, recompute, precision, optimizer, gpu)
+        w = Workload(model, dp, tp, pp, micro_batch, global_batch, seq_len, zero, recompute, precision, optimizer, gpu, attention)
+        _framework(w, framework, sequence_parallel, vpp)
         w.emit(per_rank(w), as_json)
 
     command.__doc__ = doc
     return command
 
 
+def _framework(w: Workload, framework: str, sequence_parallel: bool | None, vpp: int | None) -> None:
+    """The framework and its options, checked: sequence parallelism and vpp are Megatron's."""
+    check_framework(framework)
+    w.framework = framework
+    if framework != "megatron":
+        if sequence_parallel is not None or vpp is not None:
+            raise FrenzyError(f"--sequence-parallel and --vpp apply to --framework megatron only (got --framework {framework})")
+        if framework == "fsdp" and w.plan.tp > 1:
+            w.notes.append("fsdp: tp as torchtitan's 2D parallelism (sequence-parallel norms, loss parallel)")
+        return
+    w.options = MegatronOptions(sequence_parallel=sequence_parallel, vpp=vpp)
+    sp = w.options.sp(w.plan.tp)
+    default = " (default with tp > 1)" if sequence_parallel is None and sp else ""
+    w.notes.append(f"megatron: sequence parallelism {'on' if sp else 'off'}{default}; " + (f"vpp {vpp}" if vpp else "plain 1F1B"))
+    w.notes.append(f"megatron: distributed optimizer {'on (zero=1)' if w.plan.zero == 1 else 'off (zero=0)'}")
+
+
 def _estimated(w: Workload) -> PerRank:
-    return estimated_per_rank(w.spec, w.plan, w.request, w.gpu)
+    return estimated_per_rank(w.spec, w.plan, w.request, w.gpu, framework=w.framework, options=w.options)
 
 
 def _measured(w: Workload) -> PerRank:
     from frenzy_prefect.training.measure import Workload as Measured  # torch: imported here, never by `import frenzy_prefect.cli`
     from frenzy_prefect.training.measure import measure
 
+    if w.framework != "frenzy":
+        raise FrenzyError(f"measure runs this project's engine: --framework frenzy only (got {w.framework}); estimate takes megatron, fsdp")
+    w.measured = True
     r = w.request
+    extra = {"attention": r.attention} if "attention" in Measured.model_fields else {}
+    if not extra and r.attention != "flash":
+        raise FrenzyError("measure runs the engine's flash attention here; --attention eager is not wired into the engine yet")
     ranks = measure(
-        Measured(model=w.spec, plan=w.plan, global_batch=r.global_batch, seq_len=r.seq_len, precision=r.precision, optimizer=r.optimizer)
+        Measured(
+            model=w.spec, plan=w.plan, global_batch=r.global_batch, seq_len=r.seq_len, precision=r.precision, optimizer=r.optimizer, **extra
+        )
     )
     return [(m.rank, m.breakdown) for m in ranks]
 

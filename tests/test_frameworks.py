@@ -1,0 +1,83 @@
+"""memory.frameworks: Megatron-LM's and torchtitan FSDP2's model states and refusals (pure, fast)."""
+
+import pytest
+
+from frenzy_prefect.errors import FrenzyError
+from frenzy_prefect.memory.frameworks import MegatronOptions, estimate
+from frenzy_prefect.memory.frameworks import megatron as mg
+from frenzy_prefect.profiling.model import PRESETS
+from frenzy_prefect.spec.plan import ParallelPlan
+
+LLAMA = PRESETS["llama-3.1-8b"]
+GPT = PRESETS["gpt2-small"]
+
+
+def _run(framework, plan, model=GPT, **kw):
+    args = dict(global_batch=plan.dp * plan.micro_batch * plan.pp, seq_len=1024, precision="bf16", optimizer_bytes_per_param=8) | kw
+    return estimate(framework, model, plan, **args)
+
+
+def test_megatron_model_states_are_18_bytes_per_parameter_without_the_distributed_optimizer():
+    plan = ParallelPlan(dp=4)
+    b = _run("megatron", plan).per_stage[0]
+    n = mg.stage_parameters(GPT, plan, GPT.layers, 0)
+    assert (b.params, b.grads, b.optimizer) == (2 * n, 4 * n, 12 * n)
+
+
+def test_megatron_distributed_optimizer_shards_master_and_adam_over_dp_with_tp_and_pp():
+    plan = ParallelPlan(dp=4, tp=2, pp=2, zero=1)
+    est = _run("megatron", plan)
+    for stage, b in enumerate(est.per_stage):
+        n = mg.stage_parameters(GPT, plan, GPT.layers // 2, stage)
+        assert b.params + b.grads + b.optimizer == pytest.approx((6 + 12 / 4) * n, abs=1)
+
+
+def test_megatron_pads_the_vocabulary_to_128_times_tp_and_splits_it():
+    assert mg.padded_vocab(GPT, 1) == 50304 and mg.padded_vocab(GPT, 4) == 50688
+
+
+def test_megatron_sequence_parallel_and_flash_lower_activations():
+    plan = ParallelPlan(tp=4, micro_batch=2)
+    acts = {
+        (sp, att): _run("megatron", plan, attention=att, options=MegatronOptions(sequence_parallel=sp)).per_stage[0].activations
+        for sp in (False, True)
+        for att in ("flash", "eager")
+    }
+    assert acts[(True, "flash")] < acts[(False, "flash")] < acts[(False, "eager")]
+
+
+def test_megatron_interleaving_holds_more_on_the_last_stage_than_plain_1f1b():
+    plan = ParallelPlan(dp=1, pp=4)
+    plain = _run("megatron", plan, global_batch=8).per_stage[-1].activations
+    inter = _run("megatron", plan, global_batch=8, options=MegatronOptions(vpp=3)).per_stage[-1].activations
+    assert inter > plain  # 9 one-layer chunks in flight against 3 layers of one micro-batch
+
+
+def test_fsdp_states_of_llama_are_16_bytes_per_parameter_over_dp_at_the_step():
+    plan = ParallelPlan(dp=8, micro_batch=1, zero=3, recompute="full")
+    b = _run("fsdp", plan, model=LLAMA, seq_len=512).per_stage[0]
+    n = LLAMA.parameters
+    assert b.params == pytest.approx(4 * n / 8, rel=1e-6) and b.optimizer == pytest.approx(8 * n / 8, rel=1e-6)
+    assert b.params + b.optimizer + 4 * n / 8 == pytest.approx(16 * n / 8, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("framework", "plan", "message"),
+    [
+        ("fsdp", ParallelPlan(dp=2, zero=1), "fsdp models torchtitan's FSDP2: zero=3 with pp=1"),
+        ("fsdp", ParallelPlan(dp=2, pp=2, zero=3), "got zero=3, pp=2"),
+        ("megatron", ParallelPlan(dp=2, zero=2), "megatron models zero=0 (DDP) and zero=1 (its distributed optimizer)"),
+        ("deepspeed", ParallelPlan(), "unknown framework 'deepspeed'; supported: frenzy, megatron, fsdp"),
+    ],
+)
+def test_refusals_name_what_is_supported(framework, plan, message):
+    with pytest.raises(FrenzyError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        _run(framework, plan)
+
+
+def test_frenzy_is_the_engine_estimate_unchanged():
+    from frenzy_prefect.memory.analytic import estimate as engine
+
+    plan = ParallelPlan(dp=2, micro_batch=2)
+    kw = dict(global_batch=4, seq_len=256, precision="bf16", optimizer_bytes_per_param=8)
+    assert _run("frenzy", plan, **kw) == engine(GPT, plan, **kw)
