@@ -65,7 +65,7 @@ MEASURED = [
     ("data parallel through DDP, full recompute", ParallelPlan(dp=2, micro_batch=1, recompute="full"), "bf16", 4, "adamw"),
     ("ZeRO-1 over a pipeline", ParallelPlan(dp=2, pp=2, micro_batch=1, zero=1), "fp32", 4, "adamw"),
     ("DeepSpeed ZeRO-2, accumulating", ParallelPlan(dp=2, micro_batch=1, zero=2), "fp32", 4, "adamw"),
-    ("DeepSpeed ZeRO-3, bf16", ParallelPlan(dp=2, micro_batch=2, zero=3), "bf16", 4, "adamw"),
+    ("FSDP2 ZeRO-3, bf16", ParallelPlan(dp=2, micro_batch=2, zero=3), "bf16", 4, "adamw"),
 ]
 
 

@@ -168,3 +168,48 @@ def test_a_rank_that_cannot_reach_storage_has_rank_0_report_why_and_the_others_s
         (0, "StorageUnreachable", STALLED),  # its own
         (1, "PeerFailed", "rank 1 stops: rank 0 reports the failure of rank(s) [0]"),
     }
+
+
+def _losses_of(rank: int, world: int, port: int, plan: ParallelPlan, out) -> None:
+    """One rank of ``plan``: three optimizer steps, each replica on its own micro-batches."""
+    from frenzy_prefect.spec.request import OptimizerSettings
+    from frenzy_prefect.training.engine import Engine
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+    engine = Engine(NANO, plan, precision="fp32", optimizer=OptimizerSettings(lr=3e-3), accumulation=2, rank=rank)
+    stage, replica, tp_rank = plan.coordinates(rank)
+    data = torch.Generator().manual_seed(7 + replica)
+    losses = []
+    for _ in range(3):
+        ids = [torch.randint(0, NANO.vocab_size, (plan.micro_batch, 33), generator=data) for _ in range(2)]
+        losses.append(engine.step([(x[:, :-1], x[:, 1:]) for x in ids]))
+    if stage == plan.pp - 1 and replica == 0 and tp_rank == 0:
+        out.put(losses)
+    dist.destroy_process_group()
+
+
+def _replica0_losses(plan: ParallelPlan) -> list[float]:
+    ctx = multiprocessing.get_context("spawn")
+    out, port = ctx.Queue(), free_port()
+    ranks = [ctx.Process(target=_losses_of, args=(r, plan.gpus, port, plan, out)) for r in range(plan.gpus)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(timeout=300)
+    assert [p.exitcode for p in ranks] == [0] * plan.gpus, plan.label()
+    return out.get(timeout=5)
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [ParallelPlan(dp=2, micro_batch=2, zero=1), ParallelPlan(dp=2, pp=2, micro_batch=2, zero=1), ParallelPlan(dp=2, micro_batch=2, zero=3)],
+    ids=lambda p: p.label(),
+)
+def test_sharded_plans_train_the_same_model_as_plain_data_parallelism(plan):
+    # The replicas see different micro-batches, so the second and third steps' losses agree only
+    # if the gradients were averaged over replicas and every shard updated as DDP updates the
+    # whole: ZeroRedundancyOptimizer's shards and FSDP2's gathered blocks change where tensors
+    # live, never the arithmetic.
+    expected = _replica0_losses(ParallelPlan(dp=2, micro_batch=plan.micro_batch))
+    assert _replica0_losses(plan) == pytest.approx(expected, abs=1e-5)

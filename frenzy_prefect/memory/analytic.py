@@ -17,7 +17,8 @@ no dropout, fused causal attention that keeps no scores) rather than with Korthi
 Table 2, whose constants include dropout masks and attention scores this engine never stores.
 Pipeline stages hold 1F1B's in-flight micro-batches (stage s of p: min(p - s, micro-batches)).
 ZeRO-1 shards the optimizer states as torch's ZeroRedundancyOptimizer deals tensors out
-(``optimizer_shares``); ZeRO-2 and 3 keep what DeepSpeed 0.19 keeps (``_zero_peak``). ``peak_bytes`` is the search path
+(``optimizer_shares``); ZeRO-2 keeps what DeepSpeed 0.19 keeps (``_zero2_peak``); ZeRO-3 what
+torch's FSDP2 keeps (``fully_sharded_peak``). ``peak_bytes`` is the search path
 (the peak only); ``estimate`` itemises every stage.
 """
 
@@ -31,9 +32,11 @@ from typing import NamedTuple
 from frenzy_prefect.memory.calibration import Calibration, GpuConstants, default_calibration
 from frenzy_prefect.spec.gpu import GpuType
 from frenzy_prefect.spec.layout import (
+    block_shapes,
     check_plan,
     layer_parameters,
     parameter_sizes,
+    root_shapes,
     stage_shapes,
     stage_tensor_sizes,
     uses_ddp,
@@ -63,15 +66,13 @@ class ZeroLayout(NamedTuple):
     """How DeepSpeed lays a model's parameters over ``dp`` ranks (elements)."""
 
     total: int  # N
-    padded: int  # stages 1-2: N padded to a multiple of 2 * dp
-    part: int  # stages 1-2: each rank's slice of the flattened parameters
-    # Stages 1-2 differ between ranks only by the tensors overlapping their slice (G_in) and by
+    padded: int  # N padded to a multiple of 2 * dp
+    part: int  # each rank's slice of the flattened parameters
+    # Ranks differ only by the tensors overlapping their slice (G_in) and by
     # whether the slice holds the last block (reduced early in the backward): the largest G_in of
     # the ranks that do and of those that do not are all the ranks' peaks need.
     overlap_tail: int
     overlap_rest: int
-    part3: int  # stage 3: each rank's share, every tensor split on its own
-    largest_part3: int
     largest: int
 
 
@@ -89,8 +90,6 @@ def zero_layout(model: ModelSpec, dp: int) -> ZeroLayout:
         part=part,
         overlap_tail=max((o for o, owns in overlaps if owns), default=-1),
         overlap_rest=max((o for o, owns in overlaps if not owns), default=-1),
-        part3=sum(math.ceil(x / dp) for x in sizes),
-        largest_part3=max(math.ceil(x / dp) for x in sizes),
         largest=max(sizes),
     )
 
@@ -219,14 +218,17 @@ def stage_peaks(
     plain tuples."""
     check_plan(model, plan)
     micro_batches = plan.accumulation(global_batch)
-    terms = micro_batch_terms(model, plan.tp, plan.micro_batch, seq_len, precision, plan.recompute, plan.zero == 3)
+    terms = micro_batch_terms(model, plan.tp, plan.micro_batch, seq_len, precision, plan.recompute, False)
     shapes = stage_shapes(model, plan.tp, plan.pp)
     out = []
     for stage in range(plan.pp) if stages is None else stages:
         layers, params, largest = shapes[stage]
         moments = activation_moments(terms, plan, layers=layers, micro_batches=micro_batches, stage=stage)
-        if plan.zero >= 2:
-            out.append(_zero_peak(model, plan, moments, micro_batches, optimizer_bytes_per_param, on_gpu))
+        if plan.zero == 3:
+            out.append(fully_sharded_peak(model, plan, moments, optimizer_bytes_per_param, on_gpu))
+            continue
+        if plan.zero == 2:
+            out.append(_zero2_peak(model, plan, moments, micro_batches, optimizer_bytes_per_param, on_gpu))
             continue
         # ZeRO-1: each data-parallel rank updates its share of the tensors; the worst share decides.
         shares = optimizer_shares(model, plan, stage) if plan.zero == 1 else ((params, largest),)
@@ -322,40 +324,72 @@ def estimate(
     )
 
 
-def _zero_peak(
+def fully_sharded_peak(model: ModelSpec, plan: ParallelPlan, moments: Moments, optimizer_bytes_per_param: int, on_gpu: bool) -> Breakdown:
+    """(params, grads, optimizer, saved, transient) at the peak of a rank under FSDP2 (ZeRO-3,
+    tp = pp = 1, fp32 weights), as torch's ``fully_shard`` per block allocates:
+
+    - every tensor is split by rows over the dp ranks (rows padded to a multiple of dp); each rank
+      keeps its shards of the weights, of the gradients (persistent, reduced into after every
+      micro-batch) and of the optimizer states;
+    - the root (embeddings, final norm, head) is gathered from the forward to the end of the
+      backward; each block is gathered for its forward, and again for its backward, where the
+      next block's gathering is prefetched (two blocks at once);
+    - the root's gradients (the head's first) stay unsharded until the backward ends; a block's
+      until its backward ends, when they are copied into a reduce-scatter buffer of their size.
+    """
+    dp, layers = plan.dp, model.layers
+    h, V = model.hidden, model.padded_vocab
+    root, block = root_shapes(model), block_shapes(model, 1)
+    shard = sum(-(-r // dp) * c for r, c in root) + layers * sum(-(-r // dp) * c for r, c in block)
+    gathered_root = sum(-(-r // dp) * dp * c for r, c in root)
+    gathered_block = sum(-(-r // dp) * dp * c for r, c in block)
+    head_grads = V * h + model.norm_parameters  # the head's weight (a tied head's lands on the embedding) and the final norm
+    root_grads = sum(r * c for r, c in root)
+    params, grads, states = FP32 * shard, FP32 * shard, optimizer_bytes_per_param * shard
+    (block_saved, block_transient), (embedding_saved, embedding_transient) = moments.block, moments.embedding
+    # From the forward's end to the loss's backward, a block is gathered beside the flat output of
+    # the last all-gather, which FSDP frees when the next one completes: two blocks' worth (on gloo
+    # the free's timing varies, measured peaks by up to one block; the larger is counted). In a
+    # block's backward: the block and its unsharded gradients (the next block is gathered once
+    # these are reduced).
+    gathered = FP32 * (gathered_root + gathered_block)
+    candidates = [(params + gathered + FP32 * gathered_block, grads, states, saved, transient) for saved, transient in moments.before_grads]
+    candidates.append(
+        (
+            params + gathered,
+            grads + FP32 * (head_grads + gathered_block),
+            states,
+            block_saved,
+            block_transient,
+        )
+    )
+    candidates.append(
+        (params + FP32 * gathered_root, grads + FP32 * root_grads, states, embedding_saved, embedding_transient + FP32 * gathered_root)
+    )
+    largest_shard = max(-(-r // dp) * c for r, c in root + block)
+    candidates.append(
+        (params, grads, states, moments.ids, adam_temporaries(shard if on_gpu else largest_shard, optimizer_bytes_per_param, on_gpu))
+    )
+    return max(candidates, key=sum)
+
+
+def _zero2_peak(
     model: ModelSpec, plan: ParallelPlan, moments: Moments, micro_batches: int, optimizer_bytes_per_param: int, on_gpu: bool
 ) -> Breakdown:
     """(params, grads, optimizer, saved, transient) at the peak of the worst data-parallel rank
-    under DeepSpeed's ZeRO-2 or 3 (tp = pp = 1, fp32 weights), as DeepSpeed 0.19 allocates:
+    under DeepSpeed's ZeRO-2 (tp = pp = 1, fp32 weights), as DeepSpeed 0.19 allocates:
 
-    - stage 2 flattens the weights (padded to a multiple of 2 * dp); each rank owns a slice of P
+    - it flattens the weights (padded to a multiple of 2 * dp); each rank owns a slice of P
       elements with an fp32 master copy and the optimizer states. Gradients reduce through one
       bucket, allocated at the first gradient of each backward; each gradient is freed once
       bucketed, and the tensors overlapping the rank's slice (G_in) are kept from the first bucket
       carrying it (accumulating, the previous micro-batches' G_in too, from the second
       micro-batch's forward on).
-    - stage 3 partitions each tensor (P3 elements per rank, with master, gradient and optimizer
-      slices and a persistent bucket) and, in steady state, keeps every weight gathered from the
-      forward until its gradient has arrived; a reduce-scatter of the bucket copies it twice (gloo).
     - the step: the slice's gradient norm in float64, its gradient flattened, Adam's temporaries.
     """
     layout, bucket = zero_layout(model, plan.dp), FP32 * zero_bucket_elements(model)
-    n = layout.total
-    embeddings = model.embedding_parameters
-    head = model.head_parameters  # final norm and untied head: their gradients come first
     block, embedding, ids = moments.block, moments.embedding, moments.ids
     worst: Breakdown = (0, 0, 0, 0, 0)
-    if plan.zero == 3:
-        part = layout.part3
-        states = FP32 * part + optimizer_bytes_per_param * part + 4  # master slice and optimizer states
-        grads = FP32 * part + bucket
-        flush = 2 * bucket
-        candidates = [(FP32 * (part + n), grads, states, saved, transient) for saved, transient in moments.before_grads]
-        candidates.append((FP32 * (part + n - head), grads, states, block[0], block[1] + flush))
-        candidates.append((FP32 * (part + embeddings), grads, states, embedding[0], embedding[1] + flush))
-        for step in (8 * layout.largest_part3, FP32 * part + adam_temporaries(part, optimizer_bytes_per_param, on_gpu)):
-            candidates.append((FP32 * part, grads, states, ids, step))
-        return max(candidates, key=sum)
     padded, part = layout.padded, layout.part
     weights, states = FP32 * padded, FP32 * part + optimizer_bytes_per_param * part + 4
     accumulating = micro_batches > 1  # later micro-batches run while the earlier ones' gradients are kept

@@ -52,17 +52,32 @@ def stage_layer_counts(layers: int, pp: int) -> tuple[int, ...]:
     return tuple(base + (1 if s < extra else 0) for s in range(pp))
 
 
-def block_tensors(model: ModelSpec, tp: int) -> list[int]:
-    """Elements of one block's parameter tensors on tensor-parallel rank 0, in ``Block`` order:
-    norm, QKV (column-split), projection (row-split, its bias kept on rank 0), norm, MLP-in
-    (column-split; SwiGLU's gate and up together), MLP-out (row-split, bias on rank 0).
-    A LayerNorm has a scale and a shift, an RMSNorm a scale; absent biases are left out."""
+def block_shapes(model: ModelSpec, tp: int) -> list[tuple[int, int]]:
+    """(rows, columns) of one block's parameter tensors on tensor-parallel rank 0, in ``Block``
+    order: norm, QKV (column-split), projection (row-split, its bias kept on rank 0), norm, MLP-in
+    (column-split; SwiGLU's gate and up together), MLP-out (row-split, bias on rank 0). A
+    LayerNorm has a scale and a shift, an RMSNorm a scale; absent biases are left out; vectors
+    have one column."""
     h, f, m = model.hidden, model.ffn_hidden, model
-    norm = [h, h] if m.norm == "layernorm" else [h]
+    norm = [(h, 1), (h, 1)] if m.norm == "layernorm" else [(h, 1)]
     qkv = (h + 2 * m.kv_width) // tp
     mlp_in = (2 if m.mlp == "swiglu" else 1) * f // tp
-    sizes = [*norm, qkv * h, *([qkv] if m.qkv_bias else []), h * h // tp, *([h] if m.out_bias else []), *norm]
-    return sizes + [mlp_in * h, *([mlp_in] if m.mlp_bias else []), h * f // tp, *([h] if m.mlp_bias else [])]
+    attention = [(qkv, h), *([(qkv, 1)] if m.qkv_bias else []), (h, h // tp), *([(h, 1)] if m.out_bias else [])]
+    return [*norm, *attention, *norm, (mlp_in, h), *([(mlp_in, 1)] if m.mlp_bias else []), (h, f // tp), *([(h, 1)] if m.mlp_bias else [])]
+
+
+def root_shapes(model: ModelSpec) -> list[tuple[int, int]]:
+    """(rows, columns) of the parameters outside the blocks, in module order: token embedding,
+    learned positions, final norm, untied head."""
+    h, V = model.hidden, model.padded_vocab
+    positions = [(model.max_seq_len, h)] if model.position == "learned" else []
+    final_norm = [(h, 1), (h, 1)] if model.norm == "layernorm" else [(h, 1)]
+    return [(V, h), *positions, *final_norm, *([] if model.tied_embeddings else [(V, h)])]
+
+
+def block_tensors(model: ModelSpec, tp: int) -> list[int]:
+    """Elements of one block's parameter tensors on tensor-parallel rank 0, in ``Block`` order."""
+    return [rows * columns for rows, columns in block_shapes(model, tp)]
 
 
 @lru_cache(maxsize=1024)

@@ -8,7 +8,9 @@
 - ZeRO 1 (with any tp and pp): the same, with torch's ZeroRedundancyOptimizer over the data-parallel
   group: each replica keeps the optimizer states of its share of whole tensors and broadcasts
   what it updated (Megatron's distributed optimizer, over fp32 weights).
-- ZeRO 2-3: DeepSpeed's engine over ``dp`` ranks (no tp or pp), with the same model.
+- ZeRO 2: DeepSpeed's engine over ``dp`` ranks (no tp or pp), with the same model.
+- ZeRO 3: torch's FSDP2 over ``dp`` ranks (no tp or pp), one block gathered at a time
+  (``fully_sharded.py``).
 Bf16 and fp16 use torch autocast over fp32 weights in both paths, so activations are alike.
 """
 
@@ -30,6 +32,7 @@ from frenzy_prefect.spec.layout import check_plan, uses_ddp, zero_bucket_element
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import ParallelPlan
 from frenzy_prefect.spec.request import OptimizerSettings, Precision
+from frenzy_prefect.training.fully_sharded import clip_sharded_gradients, shard_fully
 from frenzy_prefect.training.gpt import GPT, is_tp_sharded, shard_state
 from frenzy_prefect.training.tensor_parallel import TensorParallel
 
@@ -145,6 +148,8 @@ class Engine:
             self.model.load_state_dict(shard_state(full.state_dict(), spec, tp, self.stage, plan.pp))
             del full
         self.model.to(device)
+        if self.groups and plan.zero == 3:
+            shard_fully(self.model, self.model.blocks, self.groups.dp, device)
         # Plain data parallelism overlaps the gradient all-reduce with the backward through DDP
         # (its buckets are the gradients: gradient_as_bucket_view); other plans reduce after it.
         self.ddp = None
@@ -159,7 +164,7 @@ class Engine:
         self.optimizer = make_optimizer([p for p in self.model.parameters() if p.requires_grad], optimizer, sharded)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor)
         self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-        self.deepspeed = self._start_zero(accumulation) if plan.zero >= 2 else None
+        self.deepspeed = self._start_zero(accumulation) if plan.zero == 2 else None
 
     def _start_zero(self, accumulation: int):
         """Hand model, optimizer and schedule to DeepSpeed's ZeRO engine (its optimizer wraps ours)."""
@@ -287,7 +292,7 @@ class Engine:
         if self.groups.tied is not None and self.spec.tied_embeddings:
             shared = self.model.tok_emb.weight if self.first else self.model.head.weight
             dist.all_reduce(shared.grad, group=self.groups.tied)
-        if self.plan.dp > 1 and self.ddp is None:
+        if self.plan.dp > 1 and self.ddp is None and self.plan.zero < 3:  # FSDP reduce-scatters in the backward
             for p in self.model.parameters():
                 dist.all_reduce(p.grad, group=self.groups.dp)
                 p.grad.div_(self.plan.dp)
@@ -296,6 +301,9 @@ class Engine:
         """Clip by the norm of the whole model's gradient: each tensor counted once over the tp
         ranks that share it and the two copies of a tied embedding."""
         plan = self.plan
+        if plan.zero == 3:
+            clip_sharded_gradients(self.model, max_norm)
+            return
         squares = torch.zeros((), device=self.device)
         for name, p in self.model.named_parameters():
             if self.groups and self.groups.tp.rank > 0 and not is_tp_sharded(name):
