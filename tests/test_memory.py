@@ -16,7 +16,7 @@ from frenzy_prefect.spec.catalog import GPU_CATALOG
 from frenzy_prefect.spec.layout import parameter_sizes, uses_ddp
 from frenzy_prefect.spec.plan import ParallelPlan
 from frenzy_prefect.spec.request import OptimizerSettings
-from frenzy_prefect.training.gpt import GPT
+from frenzy_prefect.training.decoder import Decoder
 from frenzy_prefect.training.measure import Workload, measure
 
 NANO = PRESETS["gpt-nano"]
@@ -29,7 +29,7 @@ def _bytes(tensors):
 @pytest.mark.parametrize(("name", "kwargs", "state_bytes"), [("adamw", {}, 8), ("sgd", {"momentum": 0.9}, 4)])
 def test_model_states_equal_the_real_tensors_after_a_step(name, kwargs, state_bytes):
     torch.manual_seed(0)
-    model = GPT(NANO)
+    model = Decoder(NANO)
     cls = torch.optim.AdamW if name == "adamw" else torch.optim.SGD
     opt = cls(model.parameters(), lr=1e-3, **kwargs)
     x = torch.randint(0, NANO.vocab_size, (2, 16))
@@ -46,11 +46,11 @@ def test_model_states_equal_the_real_tensors_after_a_step(name, kwargs, state_by
     assert (b.params, b.grads, b.optimizer) == measured
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_parameter_sizes_follow_the_modules_order_as_deepspeed_flattens_it(tied):
-    spec = NANO.model_copy(update={"tied_embeddings": tied, "vocab_size": 250, "vocab_multiple": 64})
+@pytest.mark.parametrize(("base", "tied"), [("gpt-nano", True), ("gpt-nano", False), ("llama-nano", False), ("qwen2-0.5b", True)])
+def test_parameter_sizes_follow_the_modules_order_as_deepspeed_flattens_it(base, tied):
+    spec = PRESETS[base].model_copy(update={"tied_embeddings": tied, "vocab_size": 250, "vocab_multiple": 64})
     with torch.device("meta"):
-        model = GPT(spec)
+        model = Decoder(spec)
     assert parameter_sizes(spec) == [p.numel() for p in model.parameters()]
 
 
@@ -124,7 +124,11 @@ def test_a_calibration_file_is_loaded_and_a_bad_one_is_named(tmp_path):
 @pytest.mark.parametrize(
     ("plan", "global_batch", "message"),
     [
-        (ParallelPlan(tp=3), 1, r"tp \(3\) must divide heads \(4\), kv_heads \(4\), hidden \(128\) and ffn_hidden \(512\); accepted: \[1, 2, 4\]"),
+        (
+            ParallelPlan(tp=3),
+            1,
+            r"tp \(3\) must divide heads \(4\), kv_heads \(4\), hidden \(128\) and ffn_hidden \(512\); accepted: \[1, 2, 4\]",
+        ),
         (ParallelPlan(pp=5), 1, r"pp \(5\) must not exceed the number of layers \(4\); accepted: 1..4"),
         (ParallelPlan(dp=2, micro_batch=2), 6, r"global_batch \(6\) must be divisible by dp \* micro_batch \(2 \* 2 = 4\)"),
     ],
