@@ -88,6 +88,34 @@ def test_the_estimate_matches_the_engines_measured_peak_on_every_rank(name, plan
             assert (stage.params, stage.grads) == (m.breakdown.params, m.breakdown.grads)
 
 
+# The Llama family (RMSNorm, RoPE, grouped-query attention split over tp, SwiGLU) and eager
+# attention with attention and hidden dropout, each on real ranks.
+LLAMA_AND_EAGER = [
+    ("llama, tensor parallel, bf16", "llama-nano", {}, ParallelPlan(tp=2, micro_batch=2), "bf16", "flash"),
+    (
+        "gpt-2, eager attention with dropout",
+        "gpt-nano",
+        {"attention_dropout": 0.1, "hidden_dropout": 0.1},
+        ParallelPlan(micro_batch=2),
+        "bf16",
+        "eager",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "preset", "update", "plan", "precision", "attention"), LLAMA_AND_EAGER, ids=[m[0] for m in LLAMA_AND_EAGER]
+)
+def test_the_estimate_matches_the_measured_peak_of_llama_blocks_and_eager_attention(name, preset, update, plan, precision, attention):
+    model = PRESETS[preset].model_copy(update=update)
+    work = Workload(
+        model=model, plan=plan, global_batch=4, seq_len=64, precision=precision, optimizer=OptimizerSettings(), attention=attention
+    )
+    peak = max(m.breakdown.total for m in measure(work))
+    predicted = estimate(model, plan, global_batch=4, seq_len=64, precision=precision, optimizer_bytes_per_param=8, attention=attention)
+    assert abs(predicted.peak_bytes - peak) <= 0.03 * peak, (predicted, peak)
+
+
 def test_gpu_constants_come_from_the_calibration_and_are_zero_without_a_gpu():
     plan, a10 = ParallelPlan(), GPU_CATALOG["A10"]
     kwargs = dict(global_batch=1, seq_len=32, precision="fp32", optimizer_bytes_per_param=8)

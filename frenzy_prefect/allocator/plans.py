@@ -94,7 +94,12 @@ def candidate_plans(
                     gpu_type=name,
                     plan=plan,
                     memory=estimate(
-                        model, plan, **workload, optimizer_bytes_per_param=request.optimizer.state_bytes_per_parameter, gpu=gpu
+                        model,
+                        plan,
+                        **workload,
+                        optimizer_bytes_per_param=request.optimizer.state_bytes_per_parameter,
+                        gpu=gpu,
+                        attention=request.attention,
                     ),
                     gpu_memory_bytes=gpu.memory_bytes,
                     step_time_s=predict_step(model, plan, **workload, gpu=gpu, network_gbps=network).seconds,

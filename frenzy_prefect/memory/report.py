@@ -36,5 +36,6 @@ def estimated_per_rank(spec: ModelSpec, plan: ParallelPlan, request: TrainingReq
         precision=request.precision,
         optimizer_bytes_per_param=request.optimizer.state_bytes_per_parameter,
         gpu=gpu,
+        attention=request.attention,
     )
     return [(rank, result.per_stage[plan.coordinates(rank)[0]]) for rank in range(plan.gpus)]
