@@ -39,8 +39,15 @@ WIDE = ModelSpec(  # untied, a larger vocabulary padded to a multiple of 128, an
     tied_embeddings=False,
 )
 
-# (model, plan, precision, global batch, sequence length, optimizer)
-GRID: list[tuple[ModelSpec, dict, str, int, int, str]] = [
+LLAMA_NANO = PRESETS["llama-nano"]  # 4 layers, hidden 128, 4 heads over 2 KV heads, SwiGLU 352, RMSNorm, RoPE, untied
+LLAMA_MICRO = PRESETS["llama-micro"]  # 6 layers, hidden 256, 8 heads over 2 KV heads, SwiGLU 688, untied
+LLAMA_TIED = LLAMA_NANO.model_copy(update={"name": "llama-nano-tied", "tied_embeddings": True})
+DROPOUT = {"attention_dropout": 0.1, "hidden_dropout": 0.1}  # what GPT-2's HF config sets
+NANO_DROPOUT = NANO.model_copy(update={"name": "gpt-nano-drop", **DROPOUT})
+LLAMA_DROPOUT = LLAMA_NANO.model_copy(update={"name": "llama-nano-drop", **DROPOUT})
+
+# (model, plan, precision, global batch, sequence length, optimizer[, attention: flash by default])
+GRID: list[tuple] = [
     (NANO, {}, "fp32", 4, 128, "adamw"),
     (NANO, {}, "bf16", 4, 128, "adamw"),
     (NANO, {"recompute": "selective"}, "bf16", 4, 128, "adamw"),
@@ -71,6 +78,34 @@ GRID: list[tuple[ModelSpec, dict, str, int, int, str]] = [
     (NANO, {"dp": 2, "tp": 2}, "bf16", 8, 128, "adamw"),
     (NANO, {"dp": 2, "pp": 2, "zero": 1}, "bf16", 8, 128, "adamw"),
     (MICRO, {"dp": 2, "tp": 2, "zero": 1}, "fp32", 4, 256, "adamw"),
+    # The Llama family: RMSNorm, RoPE, grouped-query attention, SwiGLU, no biases.
+    (LLAMA_NANO, {}, "fp32", 4, 128, "adamw"),
+    (LLAMA_NANO, {}, "bf16", 4, 128, "adamw"),
+    (LLAMA_NANO, {"recompute": "selective"}, "bf16", 4, 128, "adamw"),
+    (LLAMA_NANO, {"recompute": "full"}, "fp32", 8, 128, "adamw"),
+    (LLAMA_NANO, {"dp": 2}, "bf16", 8, 128, "adamw"),
+    (LLAMA_NANO, {"tp": 2}, "bf16", 4, 128, "adamw"),
+    (LLAMA_NANO, {"pp": 2}, "fp32", 8, 128, "adamw"),
+    (LLAMA_NANO, {"dp": 2, "zero": 1}, "bf16", 8, 128, "adamw"),
+    (LLAMA_NANO, {"dp": 2, "zero": 2}, "fp32", 8, 128, "adamw"),
+    (LLAMA_NANO, {"dp": 2, "zero": 3}, "bf16", 8, 128, "adamw"),
+    (LLAMA_TIED, {}, "bf16", 4, 128, "adamw"),
+    (LLAMA_TIED, {"pp": 2, "recompute": "full"}, "bf16", 8, 128, "adamw"),
+    (LLAMA_MICRO, {}, "bf16", 2, 256, "adamw"),
+    (LLAMA_MICRO, {"recompute": "full"}, "bf16", 4, 256, "adamw"),
+    (LLAMA_MICRO, {"tp": 2, "recompute": "selective"}, "fp32", 2, 256, "adamw"),
+    (LLAMA_MICRO, {"pp": 2}, "bf16", 4, 256, "adamw"),
+    (LLAMA_MICRO, {"dp": 2, "zero": 3, "recompute": "full"}, "bf16", 4, 256, "adamw"),
+    # Eager attention (scores, fp32 softmax, dropped probabilities and their masks) and hidden dropout.
+    (NANO_DROPOUT, {}, "fp32", 4, 128, "adamw", "eager"),
+    (NANO_DROPOUT, {}, "bf16", 4, 128, "adamw", "eager"),
+    (NANO_DROPOUT, {"recompute": "selective"}, "bf16", 4, 128, "adamw", "eager"),
+    (NANO_DROPOUT, {"tp": 2}, "bf16", 4, 128, "adamw", "eager"),
+    (NANO_DROPOUT, {"dp": 2, "zero": 2}, "fp32", 8, 128, "adamw", "eager"),
+    (LLAMA_DROPOUT, {}, "bf16", 4, 128, "adamw", "eager"),
+    (LLAMA_DROPOUT, {"recompute": "full"}, "fp32", 8, 128, "adamw", "eager"),
+    (LLAMA_DROPOUT, {"pp": 2}, "bf16", 8, 128, "adamw", "eager"),
+    (LLAMA_NANO, {}, "fp32", 4, 128, "adamw", "eager"),
 ]
 
 
@@ -78,10 +113,15 @@ def error(predicted: int, measured: int) -> float:
     return (predicted - measured) / measured
 
 
-def run_one(model: ModelSpec, plan: ParallelPlan, precision: str, global_batch: int, seq_len: int, optimizer: str) -> dict:
+def run_one(
+    model: ModelSpec, plan: ParallelPlan, precision: str, global_batch: int, seq_len: int, optimizer: str, attention: str = "flash"
+) -> dict:
     settings = OptimizerSettings(name=optimizer)
     started = time.perf_counter()
-    ranks = measure(Workload(model=model, plan=plan, global_batch=global_batch, seq_len=seq_len, precision=precision, optimizer=settings))
+    work = Workload(
+        model=model, plan=plan, global_batch=global_batch, seq_len=seq_len, precision=precision, optimizer=settings, attention=attention
+    )
+    ranks = measure(work)
     wall = time.perf_counter() - started
     measured = max(r.breakdown.total for r in ranks)
     predicted = estimate(
@@ -91,6 +131,7 @@ def run_one(model: ModelSpec, plan: ParallelPlan, precision: str, global_batch: 
         seq_len=seq_len,
         precision=precision,
         optimizer_bytes_per_param=settings.state_bytes_per_parameter,
+        attention=attention,
     ).peak_bytes
     micro_batches = plan.accumulation(global_batch)
     megatron = memory_baselines.megatron(model, plan, seq_len=seq_len, precision=precision, micro_batches=micro_batches)
@@ -100,6 +141,7 @@ def run_one(model: ModelSpec, plan: ParallelPlan, precision: str, global_batch: 
         "plan": plan.label(),
         "precision": precision,
         "optimizer": optimizer,
+        "attention": attention,
         "global_batch": global_batch,
         "seq_len": seq_len,
         "measured_bytes": measured,
@@ -125,16 +167,19 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/memory_accuracy.json"))
     args = parser.parse_args()
     rows = []
-    header = f"{'model':<12} {'plan':<46} {'prec':<5} {'opt':<5} {'measured MiB':>12} {'frenzy':>8} {'megatron':>9} {'deepspeed':>9}"
+    header = (
+        f"{'model':<16} {'plan':<46} {'prec':<5} {'opt':<5} {'attn':<5} {'measured MiB':>12} {'frenzy':>8} {'megatron':>9} {'deepspeed':>9}"
+    )
     print(header)
-    for model, kwargs, precision, gb, seq, opt in GRID:
+    for model, kwargs, precision, gb, seq, opt, *rest in GRID:
+        attention = rest[0] if rest else "flash"
         plan = ParallelPlan(**({"micro_batch": 2} | kwargs))
-        if args.only not in f"{model.name} {plan.label()} {precision} {opt}":
+        if args.only not in f"{model.name} {plan.label()} {precision} {opt} {attention}":
             continue
-        r = run_one(model, plan, precision, gb, seq, opt)
+        r = run_one(model, plan, precision, gb, seq, opt, attention)
         rows.append(r)
         print(
-            f"{r['model']:<12} {r['plan']:<46} {precision:<5} {opt:<5} {r['measured_bytes'] / 2**20:>12.3f}"
+            f"{r['model']:<16} {r['plan']:<46} {precision:<5} {opt:<5} {attention:<5} {r['measured_bytes'] / 2**20:>12.3f}"
             f" {r['frenzy_error']:>+8.2%} {r['megatron_error']:>+9.1%} {r['deepspeed_error']:>+9.1%}",
             flush=True,
         )

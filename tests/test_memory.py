@@ -17,7 +17,7 @@ from frenzy_prefect.spec.catalog import GPU_CATALOG
 from frenzy_prefect.spec.layout import parameter_sizes, stage_parameters, uses_ddp
 from frenzy_prefect.spec.plan import ParallelPlan
 from frenzy_prefect.spec.request import OptimizerSettings
-from frenzy_prefect.training.gpt import GPT
+from frenzy_prefect.training.decoder import Decoder
 from frenzy_prefect.training.measure import Workload, measure
 from frenzy_prefect.units import GIB
 
@@ -31,7 +31,7 @@ def _bytes(tensors):
 @pytest.mark.parametrize(("name", "kwargs", "state_bytes"), [("adamw", {}, 8), ("sgd", {"momentum": 0.9}, 4)])
 def test_model_states_equal_the_real_tensors_after_a_step(name, kwargs, state_bytes):
     torch.manual_seed(0)
-    model = GPT(NANO)
+    model = Decoder(NANO)
     cls = torch.optim.AdamW if name == "adamw" else torch.optim.SGD
     opt = cls(model.parameters(), lr=1e-3, **kwargs)
     x = torch.randint(0, NANO.vocab_size, (2, 16))
@@ -48,11 +48,11 @@ def test_model_states_equal_the_real_tensors_after_a_step(name, kwargs, state_by
     assert (b.params, b.grads, b.optimizer) == measured
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_parameter_sizes_follow_the_modules_order_as_deepspeed_flattens_it(tied):
-    spec = NANO.model_copy(update={"tied_embeddings": tied, "vocab_size": 250, "vocab_multiple": 64})
+@pytest.mark.parametrize(("base", "tied"), [("gpt-nano", True), ("gpt-nano", False), ("llama-nano", False), ("qwen2-0.5b", True)])
+def test_parameter_sizes_follow_the_modules_order_as_deepspeed_flattens_it(base, tied):
+    spec = PRESETS[base].model_copy(update={"tied_embeddings": tied, "vocab_size": 250, "vocab_multiple": 64})
     with torch.device("meta"):
-        model = GPT(spec)
+        model = Decoder(spec)
     assert parameter_sizes(spec) == [p.numel() for p in model.parameters()]
 
 
@@ -89,6 +89,34 @@ def test_the_estimate_matches_the_engines_measured_peak_on_every_rank(name, plan
         # rebuild makes new gradient storage that MemTracker first sees in the forward).
         if plan.tp == 1 and not uses_ddp(plan):
             assert (stage.params, stage.grads) == (m.breakdown.params, m.breakdown.grads)
+
+
+# The Llama family (RMSNorm, RoPE, grouped-query attention split over tp, SwiGLU) and eager
+# attention with attention and hidden dropout, each on real ranks.
+LLAMA_AND_EAGER = [
+    ("llama, tensor parallel, bf16", "llama-nano", {}, ParallelPlan(tp=2, micro_batch=2), "bf16", "flash"),
+    (
+        "gpt-2, eager attention with dropout",
+        "gpt-nano",
+        {"attention_dropout": 0.1, "hidden_dropout": 0.1},
+        ParallelPlan(micro_batch=2),
+        "bf16",
+        "eager",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "preset", "update", "plan", "precision", "attention"), LLAMA_AND_EAGER, ids=[m[0] for m in LLAMA_AND_EAGER]
+)
+def test_the_estimate_matches_the_measured_peak_of_llama_blocks_and_eager_attention(name, preset, update, plan, precision, attention):
+    model = PRESETS[preset].model_copy(update=update)
+    work = Workload(
+        model=model, plan=plan, global_batch=4, seq_len=64, precision=precision, optimizer=OptimizerSettings(), attention=attention
+    )
+    peak = max(m.breakdown.total for m in measure(work))
+    predicted = estimate(model, plan, global_batch=4, seq_len=64, precision=precision, optimizer_bytes_per_param=8, attention=attention)
+    assert abs(predicted.peak_bytes - peak) <= 0.03 * peak, (predicted, peak)
 
 
 def test_gpu_constants_come_from_the_calibration_and_are_zero_without_a_gpu():

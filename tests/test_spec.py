@@ -11,7 +11,7 @@ from frenzy_prefect.profiling.model import CONFIGS, PRESETS, from_hf_config, res
 from frenzy_prefect.spec.cluster import ClusterSpec
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.request import TrainingRequest
-from frenzy_prefect.training.gpt import GPT
+from frenzy_prefect.training.decoder import Decoder
 
 from .conftest import EXAMPLE_CLUSTER
 
@@ -42,12 +42,20 @@ def test_optimizer_settings_are_validated_too():
     assert describe_validation_error(exc.value).startswith("optimizer.name: Input should be 'adamw', 'adam' or 'sgd'")
 
 
-@pytest.mark.parametrize("name", ["gpt-nano", "gpt-micro", "gpt2-small", "gpt2-medium"])
+@pytest.mark.parametrize(
+    "name", ["gpt-nano", "gpt-micro", "gpt2-small", "gpt2-medium", "llama-nano", "llama-micro", "llama-2-7b", "mistral-7b", "qwen2-0.5b"]
+)
 def test_spec_parameter_count_is_the_torch_models(name):
     spec = PRESETS[name]
     with torch.device("meta"):
-        model = GPT(spec)
+        model = Decoder(spec)
     assert sum(p.numel() for p in model.parameters()) == spec.parameters
+
+
+def test_llama_3_1_8b_built_on_the_meta_device_has_its_published_parameter_count():
+    with torch.device("meta"):
+        model = Decoder(PRESETS["llama-3.1-8b"])
+    assert sum(p.numel() for p in model.parameters()) == 8_030_261_248
 
 
 def test_gpt2_small_has_its_published_parameter_count():
@@ -71,7 +79,7 @@ def test_hf_configs_of_both_naming_styles_map_onto_the_spec():
     assert (gpt2.layers, gpt2.hidden, gpt2.heads, gpt2.ffn_hidden, gpt2.tied_embeddings, gpt2.padded_vocab) == (2, 64, 4, 256, True, 300)
     assert (generic.ffn_hidden, generic.tied_embeddings, generic.padded_vocab) == (200, False, 384)
     with torch.device("meta"):
-        assert sum(p.numel() for p in GPT(generic).parameters()) == generic.parameters
+        assert sum(p.numel() for p in Decoder(generic).parameters()) == generic.parameters
 
 
 def test_config_json_path_resolves(tmp_path):

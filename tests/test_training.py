@@ -3,6 +3,7 @@
 import asyncio
 import io
 import json
+import math
 import multiprocessing
 import os
 import sys
@@ -20,10 +21,13 @@ from frenzy_prefect.profiling.model import PRESETS
 from frenzy_prefect.spec.cluster import ClusterSpec
 from frenzy_prefect.spec.dataset import DatasetInfo
 from frenzy_prefect.spec.plan import Allocation, ParallelPlan, Placement, TrainingJob
-from frenzy_prefect.spec.request import TrainingRequest
+from frenzy_prefect.spec.request import OptimizerSettings, TrainingRequest
 from frenzy_prefect.storage import exists, filesystem, open_uri
+from frenzy_prefect.training.decoder import Decoder, shard_state
 from frenzy_prefect.training.distributed import DistributedContext, PeerFailed, free_port, together
-from frenzy_prefect.training.gpt import GPT
+from frenzy_prefect.training.engine import Engine
+from frenzy_prefect.training.layers import positions
+from frenzy_prefect.training.tensor_parallel import TensorParallel
 from frenzy_prefect.training.trainer import train
 
 from .conftest import BUCKET
@@ -83,7 +87,7 @@ def test_two_ranks_on_two_nodes_train_and_checkpoint_to_s3(dataset):
     fs, path = filesystem(job.checkpoint_uri)
     ckpt = torch.load(io.BytesIO(fs.cat_file(path)), weights_only=False)
     assert ckpt["step"] == 40 and ckpt["model_spec"]["name"] == "gpt-nano"
-    model = GPT(NANO)
+    model = Decoder(NANO)
     model.load_state_dict(ckpt["model"])  # strict: every tensor present, right shapes
     assert len(ckpt["optimizer"]["state"]) == len(list(model.parameters()))
 
@@ -213,3 +217,63 @@ def test_sharded_plans_train_the_same_model_as_plain_data_parallelism(plan):
     # live, never the arithmetic.
     expected = _replica0_losses(ParallelPlan(dp=2, micro_batch=plan.micro_batch))
     assert _replica0_losses(plan) == pytest.approx(expected, abs=1e-5)
+
+
+class _NoComm(TensorParallel):
+    """A tensor-parallel rank without its group: the partial sums a row-parallel layer would all-reduce."""
+
+    def enter(self, x):
+        return x
+
+    def leave(self, x):
+        return x
+
+
+@pytest.mark.parametrize("name", ["gpt-nano", "llama-nano"])
+def test_tensor_parallel_shards_sum_to_the_whole_models_attention_and_mlp(name):
+    """shard_state slices [q | k | v] (k and v kv_heads wide) and SwiGLU's [gate | up] per part:
+    the two ranks' partial outputs add up to the unsplit layer's."""
+    spec = PRESETS[name].model_copy(update={"qkv_bias": True, "out_bias": True, "mlp_bias": True})
+    torch.manual_seed(0)
+    full = Decoder(spec).eval()
+    x = torch.randn(2, 16, spec.hidden)
+    shared = positions(spec, "flash", 16, x.device)
+    block = full.blocks[1]
+    parts = []
+    for rank in range(2):
+        tp = _NoComm(rank=rank, size=2)
+        shard = Decoder(spec, tp=tp).eval()
+        shard.load_state_dict(shard_state(full.state_dict(), spec, tp, 0, 1))
+        parts.append((shard.blocks[1].attn(x, shared), shard.blocks[1].mlp(x)))
+    torch.testing.assert_close(parts[0][0] + parts[1][0], block.attn(x, shared))
+    torch.testing.assert_close(parts[0][1] + parts[1][1], block.mlp(x))
+
+
+@pytest.mark.parametrize(
+    ("name", "attention", "precision", "recompute"),
+    [("llama-nano", "flash", "bf16", "none"), ("llama-nano", "eager", "fp32", "selective"), ("gpt-nano", "eager", "bf16", "full")],
+)
+def test_the_engine_trains_llama_blocks_and_both_attentions_with_dropout(name, attention, precision, recompute):
+    spec = PRESETS[name].model_copy(update={"attention_dropout": 0.1, "hidden_dropout": 0.1})
+    engine = Engine(
+        spec,
+        ParallelPlan(micro_batch=4, recompute=recompute),
+        precision=precision,
+        optimizer=OptimizerSettings(lr=3e-3, schedule="constant"),
+        accumulation=1,
+        attention=attention,
+    )
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 16, (4, 33), generator=generator)  # a small alphabet, learnable in a few steps
+    losses = [engine.step([(ids[:, :-1], ids[:, 1:])]) for _ in range(8)]
+    assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0] - 0.5, losses
+
+
+@pytest.mark.parametrize("name", ["gpt-nano", "llama-nano"])
+def test_eager_attention_computes_what_the_fused_one_does(name):
+    torch.manual_seed(0)
+    flash = Decoder(PRESETS[name]).eval()
+    eager = Decoder(PRESETS[name], attention="eager").eval()
+    eager.load_state_dict(flash.state_dict())
+    ids = torch.randint(0, 256, (2, 24))
+    torch.testing.assert_close(eager(ids), flash(ids), atol=1e-5, rtol=1e-4)

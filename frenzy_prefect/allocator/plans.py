@@ -96,7 +96,12 @@ def candidate_plans(
                     gpu_type=name,
                     plan=plan,
                     memory=estimate(
-                        model, plan, **workload, optimizer_bytes_per_param=request.optimizer.state_bytes_per_parameter, gpu=gpu
+                        model,
+                        plan,
+                        **workload,
+                        optimizer_bytes_per_param=request.optimizer.state_bytes_per_parameter,
+                        gpu=gpu,
+                        attention=request.attention,
                     ),
                     gpu_memory_bytes=gpu.memory_bytes,
                     margin_bytes=margin,

@@ -12,9 +12,29 @@ largest of a few moments of a training step, each the sum of the tensors alive t
 - embedding-backward: the dense embedding gradient at the end of backward;
 - optimizer: model states plus the optimizer's temporaries.
 
-Saved activations per layer are counted tensor by tensor for this GPT (pre-LayerNorm, GELU MLP,
-no dropout, fused causal attention that keeps no scores) rather than with Korthikanti et al.'s
-Table 2, whose constants include dropout masks and attention scores this engine never stores.
+Saved activations per layer are counted tensor by tensor for this engine's decoder
+(``layer_activations``) rather than with Korthikanti et al.'s Table 2, whose constants assume
+one fixed block. Per knob:
+
+- norm: LayerNorm keeps its mean and reciprocal deviation; RMSNorm (torch's) its reciprocal root
+  mean square and the normalised input (sbh in fp32), beside the input both keep;
+- positions: RoPE keeps no table per layer: the cos/sin tables (T x head_dim, compute dtype) are
+  made once per micro-batch and shared, and the rotated q and k are new tensors the core keeps;
+- attention ``flash`` (fused SDPA): QKV's output (K and V kv_heads wide: SDPA's ``enable_gqa``,
+  no expanded copies), the rotated q and k, the output and the fp32 log-sum-exp, never scores;
+- attention ``eager`` (Hugging Face's eager attention): q, k, v as its matmuls keep them
+  (contiguous, K and V expanded to every head), the fp32 softmax output, the probabilities cast
+  to the compute dtype or dropped out, the dropout's bool mask, and one bool causal mask per
+  micro-batch; selective recomputation keeps only the core's inputs either way;
+- MLP: GELU keeps fc's output and the GELU's; SwiGLU the fused gate|up output, silu(gate) and
+  the product; the last block's backward holds the MLP's weight gradients in the compute dtype;
+- hidden dropout: a bool mask (one byte per element) on the embeddings and on each residual
+  branch (``native_dropout``, the same on CPU and CUDA);
+- biases: absent ones are absent from the weights, their gradients and autocast's copies.
+
+Attention dropout under ``flash`` is counted as CUDA's fused kernels run it (they regenerate the
+mask, keeping no scores), which is not measured here; on CPU torch falls back to its math kernel,
+which keeps scores and masks, and that case is not modelled.
 Pipeline stages hold 1F1B's in-flight micro-batches (stage s of p: min(p - s, micro-batches)).
 ZeRO-1 shards the optimizer states as torch's ZeroRedundancyOptimizer deals tensors out
 (``optimizer_shares``); ZeRO-2 keeps what DeepSpeed 0.19 keeps (``_zero2_peak``); ZeRO-3 what
@@ -44,7 +64,7 @@ from frenzy_prefect.spec.layout import (
 )
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import MemoryBreakdown, MemoryEstimate, ParallelPlan
-from frenzy_prefect.spec.request import Precision
+from frenzy_prefect.spec.request import Attention, Precision
 
 COMPUTE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
 FP32 = 4
@@ -109,6 +129,8 @@ class MicroBatchTerms(NamedTuple):
     saved_layer: int  # what one block keeps for its backward
     head: int  # what the final norm, head and loss keep (last stage)
     boundary: int  # a stage's received input, or its output held for the gradient
+    shared: int  # what a stage's blocks share: the rotary tables, eager attention's causal mask
+    embedding: int  # what the embeddings keep (first stage): the dropout mask
     block_temp: int  # the last block's backward: gradient temporaries (and the block re-materialised)
     cache_layer: int  # autocast's weight copies of one block while only its cache keeps them
     logits: int  # the logits and their fp32 copy while the loss is computed
@@ -118,46 +140,79 @@ class MicroBatchTerms(NamedTuple):
     tied_pending: int  # the head's gradient, waiting for the embedding's when the two are tied
 
 
+def layer_activations(
+    model: ModelSpec, tp: int, micro_batch: int, seq_len: int, precision: Precision, attention: Attention
+) -> tuple[int, int, int]:
+    """(what one block keeps for its backward around the attention core, what the core keeps
+    beyond its inputs, what a checkpoint of the core keeps instead: its inputs), tensor by tensor."""
+    s, b, h, f, kv, t = seq_len, micro_batch, model.hidden, model.ffn_hidden, model.kv_width, tp
+    e = COMPUTE_BYTES[precision]
+    sbh, sb = s * b * h, s * b
+    # Autocast's half-precision weight copies are saved for the backward by torch's linear layers
+    # (FSDP2's gathered weights too: they are ordinary parameters while gathered).
+    saves_copies = e < FP32
+    norm_out = e * sbh  # what the layer after a norm saves: the norm's output cast to the compute dtype
+    # LayerNorm keeps its input, mean and reciprocal deviation; RMSNorm (torch's, on CPU) its
+    # input, reciprocal root mean square and the normalised input (before the scale).
+    norm_saved = FP32 * sb + FP32 * sbh if model.norm == "rmsnorm" else 2 * FP32 * sb
+    around = (
+        2 * FP32 * sbh  # block input and the residual after attention (fp32 under autocast)
+        + 2 * norm_saved
+        + 2 * norm_out
+        + e * sbh // t  # attention output (the projection's input)
+        + (4 if model.mlp == "swiglu" else 2) * e * sb * f // t  # GELU: fc out, gelu out; SwiGLU: gate|up, silu, product
+        + (2 * sbh if model.hidden_dropout else 0)  # the residual branches' dropout masks (bool)
+        + (2 * layer_parameters(model, t)[1] if saves_copies else 0)
+    )
+    # The core's inputs: QKV's output (q, k, v are views of it) and, with RoPE, the rotated q and k.
+    inputs = e * sb * (h + 2 * kv) // t + (e * sb * (h + kv) // t if model.position == "rope" else 0)
+    if attention == "flash":  # fused: q, k (kv_heads wide: enable_gqa), v, its output and the log-sum-exp
+        return around, inputs + FP32 * b * (model.heads // t) * s, inputs
+    # Eager: q, k and v as its matmuls keep them (contiguous copies, k and v expanded to every
+    # head, QKV's output freed), the fp32 softmax output, the probabilities cast to the compute
+    # dtype or dropped out (with their bool mask).
+    bass = b * (model.heads // t) * s * s
+    dropped = model.attention_dropout > 0
+    probs = FP32 * bass + (e * bass if dropped or e < FP32 else 0) + (bass if dropped else 0)
+    return around, 3 * e * sbh // t + probs, inputs
+
+
 @lru_cache(maxsize=4096)
 def micro_batch_terms(
-    model: ModelSpec, tp: int, micro_batch: int, seq_len: int, precision: Precision, recompute: str, zero3: bool
+    model: ModelSpec,
+    tp: int,
+    micro_batch: int,
+    seq_len: int,
+    precision: Precision,
+    recompute: str,
+    attention: Attention = "flash",
 ) -> MicroBatchTerms:
-    s, b, h, f, a, V, t = seq_len, micro_batch, model.hidden, model.ffn_hidden, model.heads, model.padded_vocab, tp
+    s, b, h, f, V, t = seq_len, micro_batch, model.hidden, model.ffn_hidden, model.padded_vocab, tp
     e = COMPUTE_BYTES[precision]
     half = e < FP32
     sbh, sb, sbV = s * b * h, s * b, s * b * V
-    _, linear = layer_parameters(model, t)
-
-    # Autocast's half-precision weight copies are saved for the backward by torch's linear layers,
-    # but not by ZeRO-3's (DeepSpeed's own linear function saves its fp32 input and weight and
-    # casts again in the backward); either way the copies live until the forward ends.
-    saves_copies = half and not zero3
-    norm_out = FP32 * sbh if zero3 else e * sbh  # what the layer after a LayerNorm saves
-
-    layer = (
-        2 * FP32 * sbh  # block input and the residual after attention (fp32 under autocast)
-        + 2 * 2 * FP32 * sb  # LayerNorm means and reciprocal deviations
-        + 2 * norm_out  # LayerNorm outputs (their compute-precision casts under autocast)
-        + 4 * e * sbh // t  # QKV output, attention output
-        + 2 * e * s * b * f // t  # MLP input and GELU output
-        + (2 * linear if saves_copies else 0)
-    )
-    lse = FP32 * b * (a // t) * s  # fused attention's log-sum-exp, dropped by selective recompute
-    if recompute == "none":
-        layer += lse
-    block_temp = FP32 * sbh + e * (s * b * f + h * f) // t + e * h
+    norm_out = e * sbh
+    norm_saved = FP32 * sb + FP32 * sbh if model.norm == "rmsnorm" else 2 * FP32 * sb
+    around, core, core_inputs = layer_activations(model, t, b, s, precision, attention)
+    layer = around + (core_inputs if recompute == "selective" else core)
+    # The last block's MLP backward: the residual's gradient, an ffn-wide gradient, the weight
+    # gradients of the MLP-out (and of SwiGLU's second ffn-wide part) and MLP-out's bias gradient.
+    weight_grads = (2 if model.mlp == "swiglu" else 1) * h * f
+    block_temp = FP32 * sbh + e * (s * b * f + weight_grads) // t + (e * h if model.mlp_bias else 0)
     if recompute == "full":  # the block re-materialised whole (its input is already saved)
-        block_temp += layer + lse - FP32 * sbh
-    if half and not saves_copies:  # ZeRO-3 casts one weight again in the backward
-        block_temp += 2 * h * f // t
+        block_temp += around + core - FP32 * sbh
+    # Made once per micro-batch and shared by a stage's blocks: the rotary tables (compute dtype)
+    # and eager attention's causal mask (bool).
+    shared = (2 * s * model.head_dim * e if model.position == "rope" else 0) + (s * s if attention == "eager" else 0)
     return MicroBatchTerms(
         saved_layer=FP32 * sbh if recompute == "full" else layer,
-        head=FP32 * sbh + 2 * FP32 * sb + norm_out + (2 * V * h if saves_copies else 0) + FP32 * sbV,
+        head=FP32 * sbh + norm_saved + norm_out + (2 * V * h if half else 0) + FP32 * sbV,
         boundary=FP32 * sbh,
+        shared=shared,
+        embedding=sbh if model.hidden_dropout else 0,  # the embeddings' dropout mask (bool)
         block_temp=block_temp,
-        # Under full recomputation nothing but autocast's cache keeps the copies until the forward
-        # ends. (ZeRO-3's gathered weights are cast anew each time.)
-        cache_layer=2 * linear if half and recompute == "full" and saves_copies else 0,
+        # Under full recomputation nothing but autocast's cache keeps the copies until the forward ends.
+        cache_layer=2 * layer_parameters(model, t)[1] if half and recompute == "full" else 0,
         logits=(FP32 + e if half else FP32) * sbV,
         loss_backward=2 * FP32 * sbV,
         embedding_backward=FP32 * sbh + FP32 * V * h,
@@ -170,7 +225,8 @@ def in_flight_micro_batch_bytes(terms: MicroBatchTerms, plan: ParallelPlan, *, l
     """What one in-flight micro-batch keeps on a rank of ``stage`` until its backward: the saved
     activations of its layers, the head's on the last stage, and its boundary tensors."""
     first, last = stage == 0, stage == plan.pp - 1
-    return layers * terms.saved_layer + (terms.head if last else 0) + terms.boundary * ((not first) + (not last))
+    own = layers * terms.saved_layer + terms.shared + (terms.embedding if first else 0) + (terms.head if last else 0)
+    return own + terms.boundary * ((not first) + (not last))
 
 
 def activation_moments(terms: MicroBatchTerms, plan: ParallelPlan, *, layers: int, micro_batches: int, stage: int) -> Moments:
@@ -213,12 +269,13 @@ def stage_peaks(
     optimizer_bytes_per_param: int,
     on_gpu: bool,
     stages: Sequence[int] | None = None,
+    attention: Attention = "flash",
 ) -> list[Breakdown]:
     """The tensors at the peak of a rank of each of ``stages`` (default: every pipeline stage), as
     plain tuples."""
     check_plan(model, plan)
     micro_batches = plan.accumulation(global_batch)
-    terms = micro_batch_terms(model, plan.tp, plan.micro_batch, seq_len, precision, plan.recompute, False)
+    terms = micro_batch_terms(model, plan.tp, plan.micro_batch, seq_len, precision, plan.recompute, attention)
     shapes = stage_shapes(model, plan.tp, plan.pp)
     out = []
     for stage in range(plan.pp) if stages is None else stages:
@@ -269,6 +326,7 @@ def peak_bytes(
     optimizer_bytes_per_param: int,
     gpu: GpuType | None = None,
     calibration: Calibration | None = None,
+    attention: Attention = "flash",
 ) -> int:
     """The predicted peak of ``plan``'s most loaded GPU, without the itemised breakdown."""
     constants = (calibration or default_calibration()).for_gpu(gpu)
@@ -284,6 +342,7 @@ def peak_bytes(
         optimizer_bytes_per_param=optimizer_bytes_per_param,
         on_gpu=gpu is not None,
         stages=(0, 1, pp - 1) if pp > 2 else range(pp),
+        attention=attention,
     )
     tensors = max(sum(p) for p in peaks)
     return tensors + _runtime(constants, tensors)
@@ -299,6 +358,7 @@ def estimate(
     optimizer_bytes_per_param: int,
     gpu: GpuType | None = None,
     calibration: Calibration | None = None,
+    attention: Attention = "flash",
 ) -> MemoryEstimate:
     """Predicted peak bytes on one GPU of every pipeline stage of ``plan``, itemised (``gpu``
     None: the tensors alone, as MemTracker measures them on CPU)."""
@@ -311,6 +371,7 @@ def estimate(
         precision=precision,
         optimizer_bytes_per_param=optimizer_bytes_per_param,
         on_gpu=gpu is not None,
+        attention=attention,
     )
     # model_construct: every field is a non-negative int by construction; the allocator calls
     # this for every candidate plan, and validation would cost more than the arithmetic.

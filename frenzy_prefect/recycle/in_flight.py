@@ -65,7 +65,7 @@ def in_flight_bound(
         optimizer_bytes_per_param=optimizer_bytes_per_param,
         gpu=gpu,
     )
-    terms = micro_batch_terms(model, plan.tp, plan.micro_batch, seq_len, precision, plan.recompute, plan.zero == 3)
+    terms = micro_batch_terms(model, plan.tp, plan.micro_batch, seq_len, precision, plan.recompute)
     ids = plan.accumulation(global_batch) * terms.ids
     layers = stage_layer_counts(model.layers, plan.pp)
     bounds = []

@@ -134,7 +134,7 @@ def zero_bucket_elements(model: ModelSpec) -> int:
 
 
 def parameter_sizes(model: ModelSpec) -> list[int]:
-    """Elements of every parameter tensor of the whole model, in ``GPT.parameters()`` order (the
+    """Elements of every parameter tensor of the whole model, in ``Decoder.parameters()`` order (the
     order DeepSpeed flattens and partitions them in)."""
     h, V = model.hidden, model.padded_vocab
     positions = [model.max_seq_len * h] if model.position == "learned" else []

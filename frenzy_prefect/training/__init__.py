@@ -1,2 +1,2 @@
-"""The training engine: the project's GPT, token windows from object storage, and a
+"""The training engine: the project's decoder (GPT-2 and Llama families), token windows from object storage, and a
 torch.distributed data-parallel loop that checkpoints to object storage."""

@@ -1,6 +1,6 @@
 """The training engine: this rank's share of one optimizer step under any parallel plan.
 
-- ZeRO 0: the project's GPT, sharded Megatron-style over ``tp`` and into ``pp`` stages run with
+- ZeRO 0: the project's decoder (``decoder.py``), sharded Megatron-style over ``tp`` and into ``pp`` stages run with
   the 1F1B schedule (Narayanan et al. 2021), gradients averaged over ``dp`` after the last
   micro-batch. The schedule is written here rather than taken from torch.distributed.pipelining
   because that module's backward (``autograd.grad`` over stage inputs) cannot run under
@@ -31,9 +31,9 @@ from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.spec.layout import check_plan, uses_ddp, zero_bucket_elements
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import ParallelPlan
-from frenzy_prefect.spec.request import OptimizerSettings, Precision
+from frenzy_prefect.spec.request import Attention, OptimizerSettings, Precision
+from frenzy_prefect.training.decoder import Decoder, is_tp_sharded, shard_state
 from frenzy_prefect.training.fully_sharded import clip_sharded_gradients, shard_fully
-from frenzy_prefect.training.gpt import GPT, is_tp_sharded, shard_state
 from frenzy_prefect.training.tensor_parallel import TensorParallel
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -127,6 +127,7 @@ class Engine:
         precision: Precision,
         optimizer: OptimizerSettings,
         accumulation: int,
+        attention: Attention = "flash",
         seed: int = 0,
         rank: int = 0,
         device: torch.device = torch.device("cpu"),
@@ -140,11 +141,11 @@ class Engine:
         self.groups = Groups.build(plan, rank) if dist.is_initialized() else None
         torch.manual_seed(seed)  # the whole model drawn alike on every rank (and sliced, when split)
         if plan.tp == 1 and plan.pp == 1:
-            self.model = GPT(spec, plan.recompute)
+            self.model = Decoder(spec, plan.recompute, attention=attention)
         else:
-            full = GPT(spec)
+            full = Decoder(spec)
             tp = self.groups.tp if self.groups else TensorParallel()
-            self.model = GPT(spec, plan.recompute, tp=tp, stage=self.stage, stages=plan.pp)
+            self.model = Decoder(spec, plan.recompute, attention=attention, tp=tp, stage=self.stage, stages=plan.pp)
             self.model.load_state_dict(shard_state(full.state_dict(), spec, tp, self.stage, plan.pp))
             del full
         self.model.to(device)

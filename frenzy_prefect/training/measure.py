@@ -21,7 +21,7 @@ from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import MemoryBreakdown, ParallelPlan
-from frenzy_prefect.spec.request import OptimizerSettings, Precision
+from frenzy_prefect.spec.request import Attention, OptimizerSettings, Precision
 from frenzy_prefect.training.distributed import DistributedContext
 
 STEPS = 3
@@ -47,6 +47,7 @@ class Workload(BaseModel):
     seq_len: int
     precision: Precision
     optimizer: OptimizerSettings
+    attention: Attention = "flash"
 
 
 class RankMemory(BaseModel):
@@ -134,6 +135,7 @@ def measure_rank(work: Workload, ctx: DistributedContext) -> RankMemory:
             precision=work.precision,
             optimizer=work.optimizer,
             accumulation=accumulation,
+            attention=work.attention,
             rank=ctx.rank,
             device=device,
         )

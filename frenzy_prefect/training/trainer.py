@@ -55,6 +55,7 @@ def train(job: TrainingJob, ctx: DistributedContext, log: Callable[[str], None] 
             precision=request.precision,
             optimizer=request.optimizer,
             accumulation=plan.accumulation(request.global_batch),
+            attention=request.attention,
             seed=request.seed,
             rank=ctx.rank,
             device=ctx.device,

@@ -10,7 +10,6 @@ Each module's docstring states what it assumes and where that comes from.
 
 from __future__ import annotations
 
-import inspect
 from typing import Literal
 
 from frenzy_prefect.errors import FrenzyError
@@ -55,11 +54,7 @@ def estimate(
             raise FrenzyError("framework options (sequence parallelism, vpp) apply to megatron and fsdp only")
         from frenzy_prefect.memory.analytic import estimate as engine_estimate
 
-        if "attention" in inspect.signature(engine_estimate).parameters:  # MARP models eager attention too
-            common["attention"] = attention
-        elif attention != "flash":
-            raise FrenzyError("the frenzy estimate models the engine's fused (flash) attention only; eager: --framework megatron or fsdp")
-        return engine_estimate(model, plan, gpu=gpu, **common)
+        return engine_estimate(model, plan, gpu=gpu, attention=attention, **common)
     # The CUDA context, NCCL buffers and library workspaces are the GPU's and PyTorch's, whatever
     # the framework: their documented assumption for the type (this engine's fitted entries are not applied).
     overhead = assumed_constants(gpu).overhead_bytes if gpu is not None else 0

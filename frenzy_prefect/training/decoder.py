@@ -1,9 +1,11 @@
-"""A GPT-2 style decoder in one readable file (after nanoGPT's model.py), built from a ModelSpec.
+"""The decoder the engine trains, assembled from ``layers`` and built from a ModelSpec: GPT-2
+(learned positions, LayerNorm, GELU) or Llama (rotary positions, RMSNorm, SwiGLU, grouped-query
+attention), tied or untied embeddings.
 
 One module serves every plan: ``stage``/``stages`` select a pipeline stage's layers (embeddings
 on the first, final norm and head on the last) and ``tp`` splits attention heads and the MLP
 Megatron-style. Weights are drawn for the whole model and sliced (``shard_state``), so every
-plan starts from the same weights. Shapes: B batch, T sequence, C hidden, H heads, V vocabulary.
+plan starts from the same weights. Shapes: B batch, T sequence, C hidden, V vocabulary.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from torch.utils.checkpoint import checkpoint
 from frenzy_prefect.spec.layout import stage_layer_counts
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import Recompute
+from frenzy_prefect.spec.request import Attention
+from frenzy_prefect.training.layers import Block, dropout, norm, positions
 from frenzy_prefect.training.tensor_parallel import TensorParallel
 
 
@@ -28,65 +32,28 @@ def stage_layers(layers: int, stages: int, stage: int) -> range:
     return range(start, start + counts[stage])
 
 
-class CausalSelfAttention(nn.Module):
-    def __init__(self, spec: ModelSpec, recompute: Recompute, tp: TensorParallel):
-        super().__init__()
-        self.tp = tp
-        self.heads = spec.heads // tp.size
-        self.width = spec.hidden // tp.size
-        self.qkv = nn.Linear(spec.hidden, 3 * self.width)  # column parallel: this rank's heads
-        self.proj = nn.Linear(self.width, spec.hidden, bias=tp.rank == 0)  # row parallel: the bias is added once
-        self.recompute_core = recompute == "selective"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        q, k, v = self.qkv(self.tp.enter(x)).split(self.width, dim=2)
-        q, k, v = (t.view(B, T, self.heads, self.width // self.heads).transpose(1, 2) for t in (q, k, v))  # (B, H, T, C/H)
-        if self.recompute_core and self.training:  # selective: recompute only the attention core
-            y = checkpoint(F.scaled_dot_product_attention, q, k, v, None, 0.0, True, use_reentrant=False)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.tp.leave(self.proj(y.transpose(1, 2).contiguous().view(B, T, self.width)))
-
-
-class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec, tp: TensorParallel):
-        super().__init__()
-        self.tp = tp
-        self.fc = nn.Linear(spec.hidden, spec.ffn_hidden // tp.size)
-        self.proj = nn.Linear(spec.ffn_hidden // tp.size, spec.hidden, bias=tp.rank == 0)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.leave(self.proj(F.gelu(self.fc(self.tp.enter(x)), approximate="tanh")))
-
-
-class Block(nn.Module):
-    def __init__(self, spec: ModelSpec, recompute: Recompute, tp: TensorParallel):
-        super().__init__()
-        self.ln1 = nn.LayerNorm(spec.hidden)
-        self.attn = CausalSelfAttention(spec, recompute, tp)
-        self.ln2 = nn.LayerNorm(spec.hidden)
-        self.mlp = MLP(spec, tp)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(nn.Module):
+class Decoder(nn.Module):
     def __init__(
-        self, spec: ModelSpec, recompute: Recompute = "none", *, tp: TensorParallel = TensorParallel(), stage: int = 0, stages: int = 1
+        self,
+        spec: ModelSpec,
+        recompute: Recompute = "none",
+        *,
+        attention: Attention = "flash",
+        tp: TensorParallel = TensorParallel(),
+        stage: int = 0,
+        stages: int = 1,
     ):
         super().__init__()
-        self.spec = spec
+        self.spec, self.attention = spec, attention
         self.first, self.last = stage == 0, stage == stages - 1
         self.recompute_blocks = recompute == "full"
         if self.first:
             self.tok_emb = nn.Embedding(spec.padded_vocab, spec.hidden)
-            self.pos_emb = nn.Embedding(spec.max_seq_len, spec.hidden)
-        self.blocks = nn.ModuleList(Block(spec, recompute, tp) for _ in stage_layers(spec.layers, stages, stage))
+            if spec.position == "learned":
+                self.pos_emb = nn.Embedding(spec.max_seq_len, spec.hidden)
+        self.blocks = nn.ModuleList(Block(spec, attention, recompute, tp) for _ in stage_layers(spec.layers, stages, stage))
         if self.last:
-            self.ln_f = nn.LayerNorm(spec.hidden)
+            self.ln_f = norm(spec)
             self.head = nn.Linear(spec.hidden, spec.padded_vocab, bias=False)
             if spec.tied_embeddings and self.first:
                 self.head.weight = self.tok_emb.weight
@@ -107,12 +74,16 @@ class GPT(nn.Module):
         """Token ids (B, T) in on the first stage, hidden states (B, T, C) in on the others; out:
         hidden states, or on the last stage logits (B, T, V), or the mean cross-entropy given ``targets``."""
         if self.first:
-            x = self.tok_emb(x) + self.pos_emb(torch.arange(x.shape[1], device=x.device))  # (B, T, C)
+            x = self.tok_emb(x)  # (B, T, C)
+            if self.spec.position == "learned":
+                x = x + self.pos_emb(torch.arange(x.shape[1], device=x.device))
+            x = dropout(x, self.spec.hidden_dropout, self.training)
+        shared = positions(self.spec, self.attention, x.shape[1], x.device)
         for block in self.blocks:
             if self.recompute_blocks and self.training:
-                x = checkpoint(block, x, use_reentrant=False)
+                x = checkpoint(block, x, shared, use_reentrant=False)
             else:
-                x = block(x)
+                x = block(x, shared)
         if not self.last:
             return x
         logits = self.head(self.ln_f(x))  # (B, T, V)
@@ -122,8 +93,8 @@ class GPT(nn.Module):
 
 
 def shard_state(full: dict[str, torch.Tensor], spec: ModelSpec, tp: TensorParallel, stage: int, stages: int) -> dict[str, torch.Tensor]:
-    """The whole model's state sliced to one stage and tensor-parallel rank (``GPT`` naming; views
-    of ``full``, for ``load_state_dict`` to copy)."""
+    """The whole model's state sliced to one stage and tensor-parallel rank (``Decoder`` naming; views
+    of ``full`` or slices copied from it, for ``load_state_dict`` to copy)."""
     layers = stage_layers(spec.layers, stages, stage)
     out: dict[str, torch.Tensor] = {}
     for name, t in full.items():
@@ -148,18 +119,25 @@ def is_tp_sharded(name: str) -> bool:
     return ".attn." in name or ".mlp." in name
 
 
+def _rows(t: torch.Tensor, widths: list[int], tp: TensorParallel) -> torch.Tensor:
+    """This rank's rows of a column-parallel tensor whose rows are parts of the given widths laid
+    end to end (QKV: [q | k | v]; SwiGLU: [gate | up]): its slice of each part, in the same order."""
+    parts = t.split(widths)
+    return torch.cat([part[tp.split(n)] for part, n in zip(parts, widths, strict=True)])
+
+
 def _tp_slice(name: str, t: torch.Tensor, spec: ModelSpec, tp: TensorParallel) -> torch.Tensor | None:
     if tp.size == 1:
         return t
-    h = spec.hidden
-    if name.startswith("attn.qkv"):  # rows are [q | k | v]; keep this rank's heads of each
-        return t.view(3, h, *t.shape[1:])[:, tp.split(h)].reshape(-1, *t.shape[1:])
-    if name == "mlp.fc.weight" or name == "mlp.fc.bias":
-        return t[tp.split(spec.ffn_hidden)]
+    h, f = spec.hidden, spec.ffn_hidden
+    if name.startswith("attn.qkv"):  # this rank's query heads and the key/value heads they use
+        return _rows(t, [h, spec.kv_width, spec.kv_width], tp)
+    if name.startswith("mlp.fc"):
+        return _rows(t, [f, f] if spec.mlp == "swiglu" else [f], tp)
     if name.endswith("proj.bias"):
         return t if tp.rank == 0 else None
     if name == "attn.proj.weight":
         return t[:, tp.split(h)]
     if name == "mlp.proj.weight":
-        return t[:, tp.split(spec.ffn_hidden)]
-    return t  # layer norms are whole on every rank
+        return t[:, tp.split(f)]
+    return t  # norms are whole on every rank
