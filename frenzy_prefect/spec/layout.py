@@ -38,11 +38,12 @@ def tp_splits(model: ModelSpec, tp: int) -> bool:
     return not (model.heads % tp or model.kv_heads % tp or model.hidden % tp or model.ffn_hidden % tp)
 
 
-def uses_ddp(plan: ParallelPlan) -> bool:
+def uses_ddp(plan: ParallelPlan, master_weights: bool = False) -> bool:
     """Whether the engine reduces gradients through DDP (overlapped with the backward): plain data
     parallelism. DDP's buckets are the gradients, but it rebuilds them once, in the order the
-    gradients became ready, at the second step's forward: a second set exists for that moment."""
-    return plan.dp > 1 and plan.tp == 1 and plan.pp == 1 and not plan.zero
+    gradients became ready, at the second step's forward: a second set exists for that moment.
+    With master weights the fp32 main gradients are all-reduced after the backward instead."""
+    return plan.dp > 1 and plan.tp == 1 and plan.pp == 1 and not plan.zero and not master_weights
 
 
 @lru_cache(maxsize=1024)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
 Precision = Literal["fp32", "bf16", "fp16"]
 # flash: fused SDPA that keeps only the log-sum-exp for its backward; eager: scores and softmax
@@ -48,6 +48,13 @@ class TrainingRequest(BaseModel):
     steps: PositiveInt = Field(description="Optimizer steps to train.")
     precision: Precision = "bf16"
     attention: Attention = "flash"
+    master_weights: bool = Field(
+        default=False,
+        description=(
+            "bf16/fp16 weights with fp32 master copies in the optimizer and fp32 gradient accumulation (Megatron-LM's and "
+            "DeepSpeed's bf16 training); false: fp32 weights under autocast. Needs precision bf16 or fp16."
+        ),
+    )
     optimizer: OptimizerSettings = Field(default_factory=OptimizerSettings)
     seed: NonNegativeInt = 0
     output: str | None = Field(
@@ -55,3 +62,13 @@ class TrainingRequest(BaseModel):
         description="URI prefix for the checkpoint and metrics; default: beside the dataset under frenzy-runs/.",
     )
     log_every: PositiveInt = Field(default=10, description="Log the loss every this many steps.")
+
+    @model_validator(mode="after")
+    def _master_weights_need_half_precision(self) -> TrainingRequest:
+        check_master_weights(self.precision, self.master_weights)
+        return self
+
+
+def check_master_weights(precision: Precision, master_weights: bool) -> None:
+    if master_weights and precision == "fp32":
+        raise ValueError("master_weights keeps bf16 or fp16 weights beside fp32 masters: set precision bf16 or fp16 (got fp32)")

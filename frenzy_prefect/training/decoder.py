@@ -78,7 +78,7 @@ class Decoder(nn.Module):
             if self.spec.position == "learned":
                 x = x + self.pos_emb(torch.arange(x.shape[1], device=x.device))
             x = dropout(x, self.spec.hidden_dropout, self.training)
-        shared = positions(self.spec, self.attention, x.shape[1], x.device)
+        shared = positions(self.spec, self.attention, x.shape[1], x.device, x.dtype)
         for block in self.blocks:
             if self.recompute_blocks and self.training:
                 x = checkpoint(block, x, shared, use_reentrant=False)

@@ -11,7 +11,17 @@
 - ZeRO 2: DeepSpeed's engine over ``dp`` ranks (no tp or pp), with the same model.
 - ZeRO 3: torch's FSDP2 over ``dp`` ranks (no tp or pp), one block gathered at a time
   (``fully_sharded.py``).
-Bf16 and fp16 use torch autocast over fp32 weights in both paths, so activations are alike.
+Bf16 and fp16 use torch autocast over fp32 weights in every path, so activations are alike, unless
+``master_weights``: then the weights themselves are bf16/fp16 and no autocast runs (Megatron-LM's
+and DeepSpeed's bf16 training). Each parameter's half gradient is added after every backward
+into an fp32 ``main_grad`` and freed (a post-accumulate-grad hook, as Megatron does); the
+optimizer steps fp32 master copies whose ``.grad`` is that main gradient, and the masters are
+copied back into the half weights after the step. The main gradients are all-reduced after the
+backward (not through DDP, whose buckets would hold the half gradients and reduce them in half
+precision); ZeRO-1's ZeroRedundancyOptimizer steps each replica's share of the masters and
+broadcasts the updated masters, so every replica refreshes all its half weights from them.
+ZeRO-3 uses FSDP2's own mixed precision (its sharded fp32 parameters are the masters); ZeRO-2
+(DeepSpeed) is not offered with master weights.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.spec.layout import check_plan, uses_ddp, zero_bucket_elements
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import ParallelPlan
-from frenzy_prefect.spec.request import Attention, OptimizerSettings, Precision
+from frenzy_prefect.spec.request import Attention, OptimizerSettings, Precision, check_master_weights
 from frenzy_prefect.training.decoder import Decoder, is_tp_sharded, shard_state
 from frenzy_prefect.training.fully_sharded import clip_sharded_gradients, shard_fully
 from frenzy_prefect.training.tensor_parallel import TensorParallel
@@ -39,9 +49,15 @@ from frenzy_prefect.training.tensor_parallel import TensorParallel
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def check_engine_plan(spec: ModelSpec, plan: ParallelPlan, precision: Precision) -> None:
+def check_engine_plan(spec: ModelSpec, plan: ParallelPlan, precision: Precision, master_weights: bool = False) -> None:
     """The plans the estimator covers (``check_plan``), less what this engine does not run yet."""
     check_plan(spec, plan)
+    try:
+        check_master_weights(precision, master_weights)
+    except ValueError as e:
+        raise FrenzyError(str(e)) from None
+    if master_weights and plan.zero == 2:
+        raise FrenzyError("master_weights runs with zero 0, 1 (any tp and pp) or 3 (FSDP2's mixed precision); ZeRO-2 keeps fp32 weights")
     if precision == "fp16" and (plan.tp > 1 or plan.pp > 1 or plan.zero):
         raise FrenzyError("fp16 loss scaling is implemented for plain data parallelism (tp=1, pp=1, zero=0); use bf16 or fp32")
 
@@ -128,16 +144,20 @@ class Engine:
         optimizer: OptimizerSettings,
         accumulation: int,
         attention: Attention = "flash",
+        master_weights: bool = False,
         seed: int = 0,
         rank: int = 0,
         device: torch.device = torch.device("cpu"),
         lr_factor: Callable[[int], float] = lambda step: 1.0,
     ):
-        check_engine_plan(spec, plan, precision)
+        check_engine_plan(spec, plan, precision, master_weights)
         self.spec, self.plan, self.settings, self.device = spec, plan, optimizer, device
         self.stage, _, _ = plan.coordinates(rank)
         self.first, self.last = self.stage == 0, self.stage == plan.pp - 1
-        self.amp_dtype = AUTOCAST_DTYPES.get(precision)
+        half = AUTOCAST_DTYPES.get(precision)
+        # Autocast over fp32 weights, or (master weights) half weights and no autocast.
+        self.amp_dtype = None if master_weights else half
+        self.hidden_dtype = half if master_weights else torch.float32  # the residual stream a stage passes on
         self.groups = Groups.build(plan, rank) if dist.is_initialized() else None
         torch.manual_seed(seed)  # the whole model drawn alike on every rank (and sliced, when split)
         if plan.tp == 1 and plan.pp == 1:
@@ -149,12 +169,16 @@ class Engine:
             self.model.load_state_dict(shard_state(full.state_dict(), spec, tp, self.stage, plan.pp))
             del full
         self.model.to(device)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.masters: list[torch.Tensor] = []  # fp32 master weights, their .grad the main gradients
+        if master_weights and plan.zero != 3:
+            self.masters = self._half_weights(params, half)
         if self.groups and plan.zero == 3:
-            shard_fully(self.model, self.model.blocks, self.groups.dp, device)
+            shard_fully(self.model, self.model.blocks, self.groups.dp, device, param_dtype=half if master_weights else None)
         # Plain data parallelism overlaps the gradient all-reduce with the backward through DDP
         # (its buckets are the gradients: gradient_as_bucket_view); other plans reduce after it.
         self.ddp = None
-        if self.groups and uses_ddp(plan):
+        if self.groups and uses_ddp(plan, master_weights):
             self.ddp = DistributedDataParallel(
                 self.model,
                 device_ids=[device.index] if device.type == "cuda" else None,
@@ -162,10 +186,38 @@ class Engine:
                 gradient_as_bucket_view=True,
             )
         sharded = self.groups.dp if self.groups and plan.zero == 1 and plan.dp > 1 else None
-        self.optimizer = make_optimizer([p for p in self.model.parameters() if p.requires_grad], optimizer, sharded)
+        self.optimizer = make_optimizer(self.masters or params, optimizer, sharded)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor)
         self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
         self.deepspeed = self._start_zero(accumulation) if plan.zero == 2 else None
+
+    @staticmethod
+    def _half_weights(params: list[torch.nn.Parameter], dtype: torch.dtype) -> list[torch.Tensor]:
+        """Cast ``params`` to ``dtype`` in place and return their fp32 masters (each with an fp32
+        ``.grad``, also the parameter's ``main_grad``, into which a hook adds every half gradient)."""
+
+        def accumulate(p: torch.nn.Parameter) -> None:
+            p.main_grad.add_(p.grad)
+            p.grad = None
+
+        masters = []
+        for p in params:
+            master = p.detach().clone()
+            master.grad = torch.zeros_like(master)
+            p.data = p.data.to(dtype)
+            p.main_grad = master.grad
+            p.register_post_accumulate_grad_hook(accumulate)
+            masters.append(master)
+        return masters
+
+    def _grad(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """The gradient the optimizer reads: the fp32 main gradient with master weights."""
+        return p.main_grad if self.masters else p.grad
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's weights, in fp32 from the masters when there are masters."""
+        by_param = dict(zip(map(id, (p for p in self.model.parameters() if p.requires_grad)), self.masters, strict=False))
+        return {name: by_param.get(id(t), t).detach() for name, t in self.model.state_dict(keep_vars=True).items()}
 
     def _start_zero(self, accumulation: int):
         """Hand model, optimizer and schedule to DeepSpeed's ZeRO engine (its optimizer wraps ours)."""
@@ -201,6 +253,9 @@ class Engine:
             self._clip_gradients(self.settings.grad_clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
+        with torch.no_grad():  # every replica's masters are current (ZeRO-1 broadcast its updates)
+            for p, master in zip((p for p in self.model.parameters() if p.requires_grad), self.masters, strict=False):
+                p.copy_(master)
         self.optimizer.zero_grad(set_to_none=False)  # gradient buffers persist, as in Megatron/DeepSpeed
         self.schedule.step()
         return loss
@@ -278,7 +333,7 @@ class Engine:
             works.append(dist.isend(send_prev.contiguous(), self.groups.prev_rank))
         peer = self.groups.next_rank if recv_next is not None else self.groups.prev_rank if recv_prev is not None else None
         if peer is not None:
-            received = torch.empty(recv_next or recv_prev, device=self.device)
+            received = torch.empty(recv_next or recv_prev, device=self.device, dtype=self.hidden_dtype)
             works.append(dist.irecv(received, peer))
         for work in works:
             work.wait()
@@ -292,11 +347,11 @@ class Engine:
             return
         if self.groups.tied is not None and self.spec.tied_embeddings:
             shared = self.model.tok_emb.weight if self.first else self.model.head.weight
-            dist.all_reduce(shared.grad, group=self.groups.tied)
+            dist.all_reduce(self._grad(shared), group=self.groups.tied)
         if self.plan.dp > 1 and self.ddp is None and self.plan.zero < 3:  # FSDP reduce-scatters in the backward
             for p in self.model.parameters():
-                dist.all_reduce(p.grad, group=self.groups.dp)
-                p.grad.div_(self.plan.dp)
+                dist.all_reduce(self._grad(p), group=self.groups.dp)
+                self._grad(p).div_(self.plan.dp)
 
     def _clip_gradients(self, max_norm: float) -> None:
         """Clip by the norm of the whole model's gradient: each tensor counted once over the tp
@@ -311,10 +366,10 @@ class Engine:
                 continue
             if name == "head.weight" and not self.first and self.spec.tied_embeddings:
                 continue
-            squares += torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32) ** 2
+            squares += torch.linalg.vector_norm(self._grad(p).detach(), dtype=torch.float32) ** 2
         if dist.is_initialized() and plan.gpus > 1:
             dist.all_reduce(squares)
             squares /= plan.dp
         scale = (max_norm / (squares.sqrt() + 1e-6)).clamp(max=1.0)
         for p in self.model.parameters():
-            p.grad.detach().mul_(scale)
+            self._grad(p).detach().mul_(scale)

@@ -47,15 +47,15 @@ class Positions(NamedTuple):
     mask: torch.Tensor | None
 
 
-def positions(spec: ModelSpec, attention: Attention, seq_len: int, device: torch.device) -> Positions:
+def positions(spec: ModelSpec, attention: Attention, seq_len: int, device: torch.device, dtype: torch.dtype = torch.float32) -> Positions:
     rope = None
     if spec.position == "rope":
         d = spec.head_dim
         inv_freq = 1.0 / ROPE_THETA ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d)
         angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
         angles = torch.cat((angles, angles), dim=-1)  # (T, D), HF's rotate-half layout
-        # In the dtype q and k have (autocast's, or fp32), so rotating them keeps their dtype.
-        dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else torch.float32
+        # In the dtype q and k have (autocast's, or the hidden states' ``dtype``), so rotating them keeps their dtype.
+        dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else dtype
         rope = (angles.cos().to(dtype), angles.sin().to(dtype))
     mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).triu(1) if attention == "eager" else None
     return Positions(rope, mask)

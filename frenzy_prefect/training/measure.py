@@ -48,6 +48,7 @@ class Workload(BaseModel):
     precision: Precision
     optimizer: OptimizerSettings
     attention: Attention = "flash"
+    master_weights: bool = False
 
 
 class RankMemory(BaseModel):
@@ -105,6 +106,11 @@ class StepTracker(MemTracker):
         for module in modules:
             self._track_module_params_and_buffers(module, install_grad_hooks=True)
 
+    def categorise(self, tensors, reftype: _MemRefType) -> None:
+        """Count these tensors' storage under ``reftype`` from now on."""
+        for t in tensors:
+            self._update_and_maybe_create_winfos(t, reftype)
+
     def restart_peak(self) -> None:
         """Forget the peak so far (building the model is not training)."""
         self._peak_mem = {dev: snap["Total"] for dev, snap in self._curr_mem_snap.items()}
@@ -136,11 +142,14 @@ def measure_rank(work: Workload, ctx: DistributedContext) -> RankMemory:
             optimizer=work.optimizer,
             accumulation=accumulation,
             attention=work.attention,
+            master_weights=work.master_weights,
             rank=ctx.rank,
             device=device,
         )
         tracker.track_modules(engine.model)
         tracker.track_external(engine.optimizer, *([engine.optimizer.optim] if hasattr(engine.optimizer, "optim") else []))
+        tracker.categorise(engine.masters, _MemRefType.OPT)  # fp32 master weights: optimizer state
+        tracker.categorise((m.grad for m in engine.masters), _MemRefType.GRAD)  # their fp32 main gradients
         tracker.restart_peak()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -164,7 +173,7 @@ def measure(work: Workload, timeout_s: float = 600) -> list[RankMemory]:
     """Execute ``work`` on plan.gpus local processes; every rank's measured peak, by rank."""
     from frenzy_prefect.training.engine import check_engine_plan
 
-    check_engine_plan(work.model, work.plan, work.precision)
+    check_engine_plan(work.model, work.plan, work.precision, work.master_weights)
     work.plan.accumulation(work.global_batch)
     if torch.cuda.is_available() and work.plan.gpus > torch.cuda.device_count():
         raise FrenzyError(f"the plan needs {work.plan.gpus} GPUs and this machine has {torch.cuda.device_count()}")

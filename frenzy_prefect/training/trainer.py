@@ -56,6 +56,7 @@ def train(job: TrainingJob, ctx: DistributedContext, log: Callable[[str], None] 
             optimizer=request.optimizer,
             accumulation=plan.accumulation(request.global_batch),
             attention=request.attention,
+            master_weights=request.master_weights,
             seed=request.seed,
             rank=ctx.rank,
             device=ctx.device,
@@ -114,7 +115,7 @@ def _save(job: TrainingJob, engine: Engine, result: TrainingResult, log: Callabl
     buffer = io.BytesIO()
     torch.save(
         {
-            "model": engine.model.state_dict(),
+            "model": engine.state_dict(),  # fp32 (the masters, with master weights)
             "optimizer": engine.optimizer.state_dict(),
             "scheduler": engine.schedule.state_dict(),
             "step": job.request.steps,
