@@ -140,8 +140,28 @@ class MicroBatchTerms(NamedTuple):
     tied_pending: int  # the head's gradient, waiting for the embedding's when the two are tied
 
 
+class NormBytes(NamedTuple):
+    """Per element of the hidden states: the residual stream, what a norm keeps of its input; and
+    the bytes of a norm's other saved tensors over ``sb`` tokens."""
+
+    residual: int
+    input: int
+    saved: int
+
+
+def norm_bytes(model: ModelSpec, sb: int, precision: Precision, master_weights: bool) -> NormBytes:
+    """The residual stream is fp32 under autocast, in the compute dtype with half weights (master
+    weights). LayerNorm keeps its input, mean and reciprocal deviation (in its input's dtype);
+    RMSNorm (torch's, on CPU) its input upcast to fp32 (the input itself when fp32), its
+    reciprocal root mean square and the normalised input (before the scale), both fp32."""
+    residual = COMPUTE_BYTES[precision] if master_weights else FP32
+    if model.norm == "rmsnorm":
+        return NormBytes(residual, FP32, FP32 * sb + FP32 * sb * model.hidden)
+    return NormBytes(residual, residual, 2 * residual * sb)
+
+
 def layer_activations(
-    model: ModelSpec, tp: int, micro_batch: int, seq_len: int, precision: Precision, attention: Attention
+    model: ModelSpec, tp: int, micro_batch: int, seq_len: int, precision: Precision, attention: Attention, master_weights: bool = False
 ) -> tuple[int, int, int]:
     """(what one block keeps for its backward around the attention core, what the core keeps
     beyond its inputs, what a checkpoint of the core keeps instead: its inputs), tensor by tensor."""
@@ -149,15 +169,13 @@ def layer_activations(
     e = COMPUTE_BYTES[precision]
     sbh, sb = s * b * h, s * b
     # Autocast's half-precision weight copies are saved for the backward by torch's linear layers
-    # (FSDP2's gathered weights too: they are ordinary parameters while gathered).
-    saves_copies = e < FP32
-    norm_out = e * sbh  # what the layer after a norm saves: the norm's output cast to the compute dtype
-    # LayerNorm keeps its input, mean and reciprocal deviation; RMSNorm (torch's, on CPU) its
-    # input, reciprocal root mean square and the normalised input (before the scale).
-    norm_saved = FP32 * sb + FP32 * sbh if model.norm == "rmsnorm" else 2 * FP32 * sb
+    # (FSDP2's gathered weights too: they are ordinary parameters while gathered); half weights have none.
+    saves_copies = e < FP32 and not master_weights
+    norm_out = e * sbh  # what the layer after a norm saves: the norm's output in (or cast to) the compute dtype
+    norm = norm_bytes(model, sb, precision, master_weights)
     around = (
-        2 * FP32 * sbh  # block input and the residual after attention (fp32 under autocast)
-        + 2 * norm_saved
+        2 * norm.input * sbh  # what the two norms keep of the block input and of the residual after attention
+        + 2 * norm.saved
         + 2 * norm_out
         + e * sbh // t  # attention output (the projection's input)
         + (4 if model.mlp == "swiglu" else 2) * e * sb * f // t  # GELU: fc out, gelu out; SwiGLU: gate|up, silu, product
@@ -186,38 +204,44 @@ def micro_batch_terms(
     precision: Precision,
     recompute: str,
     attention: Attention = "flash",
+    master_weights: bool = False,
 ) -> MicroBatchTerms:
     s, b, h, f, V, t = seq_len, micro_batch, model.hidden, model.ffn_hidden, model.padded_vocab, tp
     e = COMPUTE_BYTES[precision]
-    half = e < FP32
+    copies = e < FP32 and not master_weights  # autocast's half weight copies
     sbh, sb, sbV = s * b * h, s * b, s * b * V
     norm_out = e * sbh
-    norm_saved = FP32 * sb + FP32 * sbh if model.norm == "rmsnorm" else 2 * FP32 * sb
-    around, core, core_inputs = layer_activations(model, t, b, s, precision, attention)
+    norm = norm_bytes(model, sb, precision, master_weights)
+    r = norm.residual
+    # A block's input is what its first norm keeps, unless RMSNorm keeps an fp32 copy of a half one.
+    input_is_kept = norm.input == r
+    # Half weights: each parameter's half gradient lives only until it is added into its fp32 main gradient.
+    g = e if master_weights else FP32
+    around, core, core_inputs = layer_activations(model, t, b, s, precision, attention, master_weights)
     layer = around + (core_inputs if recompute == "selective" else core)
     # The last block's MLP backward: the residual's gradient, an ffn-wide gradient, the weight
     # gradients of the MLP-out (and of SwiGLU's second ffn-wide part) and MLP-out's bias gradient.
     weight_grads = (2 if model.mlp == "swiglu" else 1) * h * f
-    block_temp = FP32 * sbh + e * (s * b * f + weight_grads) // t + (e * h if model.mlp_bias else 0)
+    block_temp = r * sbh + e * (s * b * f + weight_grads) // t + (e * h if model.mlp_bias else 0)
     if recompute == "full":  # the block re-materialised whole (its input is already saved)
-        block_temp += around + core - FP32 * sbh
+        block_temp += around + core - (r * sbh if input_is_kept else 0)
     # Made once per micro-batch and shared by a stage's blocks: the rotary tables (compute dtype)
     # and eager attention's causal mask (bool).
     shared = (2 * s * model.head_dim * e if model.position == "rope" else 0) + (s * s if attention == "eager" else 0)
     return MicroBatchTerms(
-        saved_layer=FP32 * sbh if recompute == "full" else layer,
-        head=FP32 * sbh + norm_saved + norm_out + (2 * V * h if half else 0) + FP32 * sbV,
-        boundary=FP32 * sbh,
+        saved_layer=r * sbh if recompute == "full" else layer,
+        head=norm.input * sbh + norm.saved + norm_out + (2 * V * h if copies else 0) + FP32 * sbV,
+        boundary=r * sbh,
         shared=shared,
         embedding=sbh if model.hidden_dropout else 0,  # the embeddings' dropout mask (bool)
         block_temp=block_temp,
         # Under full recomputation nothing but autocast's cache keeps the copies until the forward ends.
-        cache_layer=2 * layer_parameters(model, t)[1] if half and recompute == "full" else 0,
-        logits=(FP32 + e if half else FP32) * sbV,
+        cache_layer=2 * layer_parameters(model, t)[1] if copies and recompute == "full" else 0,
+        logits=(FP32 + e if e < FP32 else FP32) * sbV,
         loss_backward=2 * FP32 * sbV,
-        embedding_backward=FP32 * sbh + FP32 * V * h,
+        embedding_backward=r * sbh + g * V * h,
         ids=b * (s + 1) * INDEX,
-        tied_pending=FP32 * V * h if model.tied_embeddings else 0,
+        tied_pending=g * V * h if model.tied_embeddings else 0,
     )
 
 
@@ -270,12 +294,17 @@ def stage_peaks(
     on_gpu: bool,
     stages: Sequence[int] | None = None,
     attention: Attention = "flash",
+    master_weights: bool = False,
 ) -> list[Breakdown]:
     """The tensors at the peak of a rank of each of ``stages`` (default: every pipeline stage), as
-    plain tuples."""
+    plain tuples. ``master_weights``: half weights (2 bytes), fp32 main gradients (4) and fp32
+    masters beside the optimizer states (4 + states, the masters whole on every replica under
+    ZeRO-1, whose ZeroRedundancyOptimizer broadcasts them)."""
     check_plan(model, plan)
     micro_batches = plan.accumulation(global_batch)
-    terms = micro_batch_terms(model, plan.tp, plan.micro_batch, seq_len, precision, plan.recompute, attention)
+    terms = micro_batch_terms(model, plan.tp, plan.micro_batch, seq_len, precision, plan.recompute, attention, master_weights)
+    weight_bytes = COMPUTE_BYTES[precision] if master_weights else FP32
+    master_bytes = FP32 if master_weights else 0
     shapes = stage_shapes(model, plan.tp, plan.pp)
     out = []
     for stage in range(plan.pp) if stages is None else stages:
@@ -292,9 +321,10 @@ def stage_peaks(
         worst: Breakdown = (0, 0, 0, 0, 0)
         for owned, owned_largest in shares:
             step = (moments.ids, adam_temporaries(owned if on_gpu else owned_largest, optimizer_bytes_per_param, on_gpu))
-            rebuild = (moments.ids, FP32 * params if uses_ddp(plan) else 0)
+            rebuild = (moments.ids, FP32 * params if uses_ddp(plan, master_weights) else 0)
             saved, transient = max((*moments.before_grads, moments.block, moments.embedding or step, step, rebuild), key=sum)
-            worst = max(worst, (FP32 * params, FP32 * params, optimizer_bytes_per_param * owned, saved, transient), key=sum)
+            states = master_bytes * params + optimizer_bytes_per_param * owned
+            worst = max(worst, (weight_bytes * params, FP32 * params, states, saved, transient), key=sum)
         out.append(worst)
     return out
 
@@ -327,6 +357,7 @@ def peak_bytes(
     gpu: GpuType | None = None,
     calibration: Calibration | None = None,
     attention: Attention = "flash",
+    master_weights: bool = False,
 ) -> int:
     """The predicted peak of ``plan``'s most loaded GPU, without the itemised breakdown."""
     constants = (calibration or default_calibration()).for_gpu(gpu)
@@ -343,6 +374,7 @@ def peak_bytes(
         on_gpu=gpu is not None,
         stages=(0, 1, pp - 1) if pp > 2 else range(pp),
         attention=attention,
+        master_weights=master_weights,
     )
     tensors = max(sum(p) for p in peaks)
     return tensors + _runtime(constants, tensors)
@@ -359,6 +391,7 @@ def estimate(
     gpu: GpuType | None = None,
     calibration: Calibration | None = None,
     attention: Attention = "flash",
+    master_weights: bool = False,
 ) -> MemoryEstimate:
     """Predicted peak bytes on one GPU of every pipeline stage of ``plan``, itemised (``gpu``
     None: the tensors alone, as MemTracker measures them on CPU)."""
@@ -372,6 +405,7 @@ def estimate(
         optimizer_bytes_per_param=optimizer_bytes_per_param,
         on_gpu=gpu is not None,
         attention=attention,
+        master_weights=master_weights,
     )
     # model_construct: every field is a non-negative int by construction; the allocator calls
     # this for every candidate plan, and validation would cost more than the arithmetic.
