@@ -311,7 +311,7 @@ def stage_peaks(
         layers, params, largest = shapes[stage]
         moments = activation_moments(terms, plan, layers=layers, micro_batches=micro_batches, stage=stage)
         if plan.zero == 3:
-            out.append(fully_sharded_peak(model, plan, moments, optimizer_bytes_per_param, on_gpu))
+            out.append(fully_sharded_peak(model, plan, moments, optimizer_bytes_per_param, on_gpu, weight_bytes))
             continue
         if plan.zero == 2:
             out.append(_zero2_peak(model, plan, moments, micro_batches, optimizer_bytes_per_param, on_gpu))
@@ -419,7 +419,9 @@ def estimate(
     )
 
 
-def fully_sharded_peak(model: ModelSpec, plan: ParallelPlan, moments: Moments, optimizer_bytes_per_param: int, on_gpu: bool) -> Breakdown:
+def fully_sharded_peak(
+    model: ModelSpec, plan: ParallelPlan, moments: Moments, optimizer_bytes_per_param: int, on_gpu: bool, gathered_bytes: int = FP32
+) -> Breakdown:
     """(params, grads, optimizer, saved, transient) at the peak of a rank under FSDP2 (ZeRO-3,
     tp = pp = 1, fp32 weights), as torch's ``fully_shard`` per block allocates:
 
@@ -431,6 +433,10 @@ def fully_sharded_peak(model: ModelSpec, plan: ParallelPlan, moments: Moments, o
       next block's gathering is prefetched (two blocks at once);
     - the root's gradients (the head's first) stay unsharded until the backward ends; a block's
       until its backward ends, when they are copied into a reduce-scatter buffer of their size.
+
+    With master weights (FSDP2's ``MixedPrecisionPolicy``) the fp32 shards are the masters and
+    the weights are gathered, and their unsharded gradients made, in ``gathered_bytes`` (bf16/fp16);
+    the reduce-scatter buffer stays fp32.
     """
     dp, layers = plan.dp, model.layers
     h, V = model.hidden, model.padded_vocab
@@ -447,19 +453,20 @@ def fully_sharded_peak(model: ModelSpec, plan: ParallelPlan, moments: Moments, o
     # the free's timing varies, measured peaks by up to one block; the larger is counted). In a
     # block's backward: the block and its unsharded gradients (the next block is gathered once
     # these are reduced).
-    gathered = FP32 * (gathered_root + gathered_block)
-    candidates = [(params + gathered + FP32 * gathered_block, grads, states, saved, transient) for saved, transient in moments.before_grads]
+    w = gathered_bytes
+    gathered = w * (gathered_root + gathered_block)
+    candidates = [(params + gathered + w * gathered_block, grads, states, saved, transient) for saved, transient in moments.before_grads]
     candidates.append(
         (
             params + gathered,
-            grads + FP32 * (head_grads + gathered_block),
+            grads + w * (head_grads + gathered_block),
             states,
             block_saved,
             block_transient,
         )
     )
     candidates.append(
-        (params + FP32 * gathered_root, grads + FP32 * root_grads, states, embedding_saved, embedding_transient + FP32 * gathered_root)
+        (params + w * gathered_root, grads + w * root_grads, states, embedding_saved, embedding_transient + FP32 * gathered_root)
     )
     largest_shard = max(-(-r // dp) * c for r, c in root + block)
     candidates.append(
