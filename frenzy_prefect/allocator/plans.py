@@ -90,6 +90,8 @@ def candidate_plans(
         margin = cluster.memory_margin.bytes_for(gpu.memory_bytes)
         plans = engine_plans(request.global_batch, total) if space == "engine" else plan_space(model, request.global_batch, total, largest)
         for plan in plans:
+            if request.master_weights and plan.zero == 2:  # DeepSpeed's ZeRO-2 runs fp32 weights only
+                continue
             network = None if plan.gpus <= largest else cluster.network_gbps
             out.append(
                 PlanCandidate(
@@ -102,6 +104,7 @@ def candidate_plans(
                         optimizer_bytes_per_param=request.optimizer.state_bytes_per_parameter,
                         gpu=gpu,
                         attention=request.attention,
+                        master_weights=request.master_weights,
                     ),
                     gpu_memory_bytes=gpu.memory_bytes,
                     margin_bytes=margin,

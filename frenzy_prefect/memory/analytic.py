@@ -49,6 +49,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import NamedTuple
 
+from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.memory.calibration import Calibration, GpuConstants, default_calibration
 from frenzy_prefect.spec.gpu import GpuType
 from frenzy_prefect.spec.layout import (
@@ -301,6 +302,8 @@ def stage_peaks(
     masters beside the optimizer states (4 + states, the masters whole on every replica under
     ZeRO-1, whose ZeroRedundancyOptimizer broadcasts them)."""
     check_plan(model, plan)
+    if master_weights and (precision == "fp32" or plan.zero == 2):
+        raise FrenzyError("master weights are half weights beside fp32 masters, with zero 0, 1 or 3 (not 2) and precision bf16 or fp16")
     micro_batches = plan.accumulation(global_batch)
     terms = micro_batch_terms(model, plan.tp, plan.micro_batch, seq_len, precision, plan.recompute, attention, master_weights)
     weight_bytes = COMPUTE_BYTES[precision] if master_weights else FP32

@@ -68,6 +68,7 @@ def estimated_per_rank(
         precision=request.precision,
         optimizer_bytes_per_param=request.optimizer.state_bytes_per_parameter,
         attention=request.attention,
+        master_weights=request.master_weights,
         gpu=gpu,
         options=options,
     )

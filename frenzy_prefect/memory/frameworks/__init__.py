@@ -43,10 +43,12 @@ def estimate(
     attention: Attention = "flash",
     gpu: GpuType | None = None,
     options: MegatronOptions | FsdpOptions | None = None,
+    master_weights: bool = False,
 ) -> MemoryEstimate:
     """Predicted peak bytes per GPU of every pipeline stage of ``plan`` under ``framework``:
     tensors only without ``gpu``; with it, this engine's calibrated overhead (frenzy) or the GPU
-    type's assumed runtime terms (CUDA context, NCCL buffers, workspaces: ``memory.calibration``)."""
+    type's assumed runtime terms (CUDA context, NCCL buffers, workspaces: ``memory.calibration``).
+    ``master_weights`` is this engine's knob (frenzy only)."""
     check_framework(framework)
     common = dict(global_batch=global_batch, seq_len=seq_len, precision=precision, optimizer_bytes_per_param=optimizer_bytes_per_param)
     if framework == "frenzy":
@@ -54,7 +56,7 @@ def estimate(
             raise FrenzyError("framework options (sequence parallelism, vpp) apply to megatron and fsdp only")
         from frenzy_prefect.memory.analytic import estimate as engine_estimate
 
-        return engine_estimate(model, plan, gpu=gpu, attention=attention, **common)
+        return engine_estimate(model, plan, gpu=gpu, attention=attention, master_weights=master_weights, **common)
     # The CUDA context, NCCL buffers and library workspaces are the GPU's and PyTorch's, whatever
     # the framework: their documented assumption for the type (this engine's fitted entries are not applied).
     overhead = assumed_constants(gpu).overhead_bytes if gpu is not None else 0
