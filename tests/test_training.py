@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from frenzy_prefect.errors import StorageUnreachable
+from frenzy_prefect.errors import FrenzyError, StorageUnreachable
 from frenzy_prefect.launch.local import is_running, start_local
 from frenzy_prefect.launch.torchrun import rank_launches
 from frenzy_prefect.memory import estimate
@@ -25,7 +25,7 @@ from frenzy_prefect.spec.request import OptimizerSettings, TrainingRequest
 from frenzy_prefect.storage import exists, filesystem, open_uri
 from frenzy_prefect.training.decoder import Decoder, shard_state
 from frenzy_prefect.training.distributed import DistributedContext, PeerFailed, free_port, together
-from frenzy_prefect.training.engine import Engine
+from frenzy_prefect.training.engine import Engine, check_engine_plan
 from frenzy_prefect.training.layers import positions
 from frenzy_prefect.training.tensor_parallel import TensorParallel
 from frenzy_prefect.training.trainer import train
@@ -174,14 +174,15 @@ def test_a_rank_that_cannot_reach_storage_has_rank_0_report_why_and_the_others_s
     }
 
 
-def _losses_of(rank: int, world: int, port: int, plan: ParallelPlan, out) -> None:
-    """One rank of ``plan``: three optimizer steps, each replica on its own micro-batches."""
+def _losses_of(rank: int, world: int, port: int, plan: ParallelPlan, out, knobs: dict) -> None:
+    """One rank of ``plan``: three optimizer steps, each replica on its own micro-batches;
+    ``knobs``: the engine's request settings (precision, master_weights) over fp32."""
     from frenzy_prefect.spec.request import OptimizerSettings
     from frenzy_prefect.training.engine import Engine
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
-    engine = Engine(NANO, plan, precision="fp32", optimizer=OptimizerSettings(lr=3e-3), accumulation=2, rank=rank)
+    engine = Engine(NANO, plan, optimizer=OptimizerSettings(lr=3e-3), accumulation=2, rank=rank, **{"precision": "fp32"} | knobs)
     stage, replica, tp_rank = plan.coordinates(rank)
     data = torch.Generator().manual_seed(7 + replica)
     losses = []
@@ -193,10 +194,10 @@ def _losses_of(rank: int, world: int, port: int, plan: ParallelPlan, out) -> Non
     dist.destroy_process_group()
 
 
-def _replica0_losses(plan: ParallelPlan) -> list[float]:
+def _replica0_losses(plan: ParallelPlan, **knobs) -> list[float]:
     ctx = multiprocessing.get_context("spawn")
     out, port = ctx.Queue(), free_port()
-    ranks = [ctx.Process(target=_losses_of, args=(r, plan.gpus, port, plan, out)) for r in range(plan.gpus)]
+    ranks = [ctx.Process(target=_losses_of, args=(r, plan.gpus, port, plan, out, knobs)) for r in range(plan.gpus)]
     for p in ranks:
         p.start()
     for p in ranks:
@@ -217,6 +218,49 @@ def test_sharded_plans_train_the_same_model_as_plain_data_parallelism(plan):
     # live, never the arithmetic.
     expected = _replica0_losses(ParallelPlan(dp=2, micro_batch=plan.micro_batch))
     assert _replica0_losses(plan) == pytest.approx(expected, abs=1e-5)
+
+
+MASTER = {"precision": "bf16", "master_weights": True}
+
+
+@pytest.mark.parametrize(
+    ("plan", "tolerance"),
+    [(ParallelPlan(dp=2, micro_batch=2, zero=1), 1e-5), (ParallelPlan(dp=2, micro_batch=2, zero=3), 2e-2)],
+    ids=lambda p: p.label() if isinstance(p, ParallelPlan) else "",
+)
+def test_sharded_plans_with_master_weights_train_as_data_parallel_master_weights(plan, tolerance):
+    """ZeRO-1 steps each replica's share of the fp32 masters and broadcasts them: every replica's
+    bf16 weights must be refreshed from all the masters, or the next losses differ. FSDP2's mixed
+    precision reduce-scatters each micro-batch's bf16 gradients in fp32 (the same sums, another
+    order: bf16's tolerance)."""
+    expected = _replica0_losses(ParallelPlan(dp=2, micro_batch=2), **MASTER)
+    assert _replica0_losses(plan, **MASTER) == pytest.approx(expected, abs=tolerance)
+
+
+@pytest.mark.parametrize("name", ["gpt-nano", "llama-nano"])
+def test_master_weights_train_as_fp32_weights_under_autocast(name):
+    """bf16 weights with fp32 masters and main gradients follow fp32 weights under bf16 autocast
+    within bf16's rounding; the weights are bf16, the optimizer's masters and their gradients fp32."""
+    spec = PRESETS[name]
+    ids = torch.randint(0, spec.vocab_size, (2, 65), generator=torch.Generator().manual_seed(1))
+    batches = [(ids[:, :-1], ids[:, 1:])] * 2
+    runs = {}
+    for master in (False, True):
+        settings = OptimizerSettings(lr=3e-3)
+        engine = Engine(spec, ParallelPlan(micro_batch=2), precision="bf16", optimizer=settings, accumulation=2, master_weights=master)
+        runs[master] = [engine.step(batches) for _ in range(4)]
+    assert runs[True] == pytest.approx(runs[False], abs=2e-2)
+    assert runs[True][-1] < runs[True][0] - 0.5
+    assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
+    assert {(m.dtype, m.grad.dtype) for m in engine.optimizer.param_groups[0]["params"]} == {(torch.float32, torch.float32)}
+    assert {t.dtype for t in engine.state_dict().values()} == {torch.float32}
+
+
+def test_master_weights_need_half_precision_and_no_deepspeed():
+    with pytest.raises(FrenzyError, match="set precision bf16 or fp16"):
+        Engine(NANO, ParallelPlan(), precision="fp32", optimizer=OptimizerSettings(), accumulation=1, master_weights=True)
+    with pytest.raises(FrenzyError, match="ZeRO-2 keeps fp32 weights"):
+        check_engine_plan(NANO, ParallelPlan(dp=2, zero=2), "bf16", master_weights=True)
 
 
 class _NoComm(TensorParallel):

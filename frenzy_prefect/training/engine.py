@@ -169,12 +169,12 @@ class Engine:
             self.model.load_state_dict(shard_state(full.state_dict(), spec, tp, self.stage, plan.pp))
             del full
         self.model.to(device)
+        if self.groups and plan.zero == 3:  # (replaces the parameters by their shards)
+            shard_fully(self.model, self.model.blocks, self.groups.dp, device, param_dtype=half if master_weights else None)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.masters: list[torch.Tensor] = []  # fp32 master weights, their .grad the main gradients
         if master_weights and plan.zero != 3:
             self.masters = self._half_weights(params, half)
-        if self.groups and plan.zero == 3:
-            shard_fully(self.model, self.model.blocks, self.groups.dp, device, param_dtype=half if master_weights else None)
         # Plain data parallelism overlaps the gradient all-reduce with the backward through DDP
         # (its buckets are the gradients: gradient_as_bucket_view); other plans reduce after it.
         self.ddp = None
