@@ -46,7 +46,10 @@ DROPOUT = {"attention_dropout": 0.1, "hidden_dropout": 0.1}  # what GPT-2's HF c
 NANO_DROPOUT = NANO.model_copy(update={"name": "gpt-nano-drop", **DROPOUT})
 LLAMA_DROPOUT = LLAMA_NANO.model_copy(update={"name": "llama-nano-drop", **DROPOUT})
 
-# (model, plan, precision, global batch, sequence length, optimizer[, attention: flash by default])
+MASTER = {"master_weights": True}  # bf16/fp16 weights, fp32 main gradients and masters
+
+# (model, plan, precision, global batch, sequence length, optimizer[, attention: flash by default,
+# or a dict of further request fields: attention, master_weights])
 GRID: list[tuple] = [
     (NANO, {}, "fp32", 4, 128, "adamw"),
     (NANO, {}, "bf16", 4, 128, "adamw"),
@@ -106,6 +109,26 @@ GRID: list[tuple] = [
     (LLAMA_DROPOUT, {"recompute": "full"}, "fp32", 8, 128, "adamw", "eager"),
     (LLAMA_DROPOUT, {"pp": 2}, "bf16", 8, 128, "adamw", "eager"),
     (LLAMA_NANO, {}, "fp32", 4, 128, "adamw", "eager"),
+    # Master weights: bf16 weights without autocast, fp32 main gradients, fp32 masters in the optimizer.
+    (NANO, {}, "bf16", 4, 128, "adamw", MASTER),
+    (NANO, {"recompute": "selective"}, "bf16", 4, 128, "adamw", MASTER),
+    (NANO, {"recompute": "full"}, "bf16", 8, 128, "adamw", MASTER),
+    (NANO, {"dp": 2}, "bf16", 8, 128, "adamw", MASTER),
+    (NANO, {"dp": 2}, "fp16", 8, 128, "adamw", MASTER),
+    (NANO, {"tp": 2}, "bf16", 4, 128, "adamw", MASTER),
+    (NANO, {"pp": 2}, "bf16", 8, 128, "adamw", MASTER),
+    (NANO, {"dp": 2, "zero": 1}, "bf16", 8, 128, "adamw", MASTER),
+    (NANO, {"dp": 2, "zero": 3}, "bf16", 8, 128, "adamw", MASTER),
+    (LLAMA_NANO, {}, "bf16", 4, 128, "adamw", MASTER),
+    (LLAMA_NANO, {"recompute": "selective"}, "bf16", 4, 128, "adamw", MASTER),
+    (LLAMA_NANO, {"recompute": "full"}, "bf16", 8, 128, "adamw", MASTER),
+    (LLAMA_NANO, {"dp": 2}, "bf16", 8, 128, "adamw", MASTER),
+    (LLAMA_NANO, {"tp": 2}, "bf16", 4, 128, "adamw", MASTER),
+    (LLAMA_NANO, {"pp": 2}, "bf16", 8, 128, "adamw", MASTER),
+    (LLAMA_NANO, {"dp": 2, "zero": 1}, "bf16", 8, 128, "adamw", MASTER),
+    (LLAMA_NANO, {"dp": 2, "zero": 3}, "bf16", 8, 128, "adamw", MASTER),
+    (LLAMA_TIED, {"pp": 2, "recompute": "full"}, "bf16", 8, 128, "adamw", MASTER),
+    (MICRO, {"dp": 2, "tp": 2, "zero": 1}, "bf16", 4, 256, "adamw", MASTER),
 ]
 
 
@@ -114,12 +137,26 @@ def error(predicted: int, measured: int) -> float:
 
 
 def run_one(
-    model: ModelSpec, plan: ParallelPlan, precision: str, global_batch: int, seq_len: int, optimizer: str, attention: str = "flash"
+    model: ModelSpec,
+    plan: ParallelPlan,
+    precision: str,
+    global_batch: int,
+    seq_len: int,
+    optimizer: str,
+    attention: str = "flash",
+    master_weights: bool = False,
 ) -> dict:
     settings = OptimizerSettings(name=optimizer)
     started = time.perf_counter()
     work = Workload(
-        model=model, plan=plan, global_batch=global_batch, seq_len=seq_len, precision=precision, optimizer=settings, attention=attention
+        model=model,
+        plan=plan,
+        global_batch=global_batch,
+        seq_len=seq_len,
+        precision=precision,
+        optimizer=settings,
+        attention=attention,
+        master_weights=master_weights,
     )
     ranks = measure(work)
     wall = time.perf_counter() - started
@@ -132,6 +169,7 @@ def run_one(
         precision=precision,
         optimizer_bytes_per_param=settings.state_bytes_per_parameter,
         attention=attention,
+        master_weights=master_weights,
     ).peak_bytes
     micro_batches = plan.accumulation(global_batch)
     megatron = memory_baselines.megatron(model, plan, seq_len=seq_len, precision=precision, micro_batches=micro_batches)
@@ -142,6 +180,7 @@ def run_one(
         "precision": precision,
         "optimizer": optimizer,
         "attention": attention,
+        "master_weights": master_weights,
         "global_batch": global_batch,
         "seq_len": seq_len,
         "measured_bytes": measured,
@@ -168,18 +207,20 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     header = (
-        f"{'model':<16} {'plan':<46} {'prec':<5} {'opt':<5} {'attn':<5} {'measured MiB':>12} {'frenzy':>8} {'megatron':>9} {'deepspeed':>9}"
+        f"{'model':<16} {'plan':<46} {'prec':<7} {'opt':<5} {'attn':<5} {'measured MiB':>12} {'frenzy':>8} {'megatron':>9} {'deepspeed':>9}"
     )
     print(header)
     for model, kwargs, precision, gb, seq, opt, *rest in GRID:
-        attention = rest[0] if rest else "flash"
+        extra = {"attention": rest[0]} if rest and isinstance(rest[0], str) else (rest[0] if rest else {})
+        attention, master = extra.get("attention", "flash"), extra.get("master_weights", False)
         plan = ParallelPlan(**({"micro_batch": 2} | kwargs))
-        if args.only not in f"{model.name} {plan.label()} {precision} {opt} {attention}":
+        prec = f"{precision}{'+m' if master else ''}"  # +m: master weights
+        if args.only not in f"{model.name} {plan.label()} {prec} {opt} {attention}{' master' if master else ''}":
             continue
-        r = run_one(model, plan, precision, gb, seq, opt, attention)
+        r = run_one(model, plan, precision, gb, seq, opt, attention, master)
         rows.append(r)
         print(
-            f"{r['model']:<16} {r['plan']:<46} {precision:<5} {opt:<5} {attention:<5} {r['measured_bytes'] / 2**20:>12.3f}"
+            f"{r['model']:<16} {r['plan']:<46} {prec:<7} {opt:<5} {attention:<5} {r['measured_bytes'] / 2**20:>12.3f}"
             f" {r['frenzy_error']:>+8.2%} {r['megatron_error']:>+9.1%} {r['deepspeed_error']:>+9.1%}",
             flush=True,
         )

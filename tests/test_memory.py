@@ -58,25 +58,24 @@ def test_parameter_sizes_follow_the_modules_order_as_deepspeed_flattens_it(base,
 
 # One configuration per knob, small enough for two CPU cores; each runs on real ranks.
 MEASURED = [
-    ("fp32 data parallel, SGD", ParallelPlan(dp=2, micro_batch=2), "fp32", 8, "sgd"),
-    ("bf16 autocast, selective", ParallelPlan(micro_batch=2, recompute="selective"), "bf16", 4, "adamw"),
-    ("tensor parallel, full recompute", ParallelPlan(tp=2, micro_batch=2, recompute="full"), "bf16", 4, "adamw"),
-    ("1F1B pipeline", ParallelPlan(pp=2, micro_batch=1), "fp32", 4, "adamw"),
-    ("data parallel through DDP, full recompute", ParallelPlan(dp=2, micro_batch=1, recompute="full"), "bf16", 4, "adamw"),
-    ("ZeRO-1 over a pipeline", ParallelPlan(dp=2, pp=2, micro_batch=1, zero=1), "fp32", 4, "adamw"),
-    ("DeepSpeed ZeRO-2, accumulating", ParallelPlan(dp=2, micro_batch=1, zero=2), "fp32", 4, "adamw"),
-    ("FSDP2 ZeRO-3, bf16", ParallelPlan(dp=2, micro_batch=2, zero=3), "bf16", 4, "adamw"),
+    ("fp32 data parallel, SGD", ParallelPlan(dp=2, micro_batch=2), "fp32", 8, "sgd", False),
+    ("bf16 autocast, selective", ParallelPlan(micro_batch=2, recompute="selective"), "bf16", 4, "adamw", False),
+    ("tensor parallel, full recompute", ParallelPlan(tp=2, micro_batch=2, recompute="full"), "bf16", 4, "adamw", False),
+    ("1F1B pipeline", ParallelPlan(pp=2, micro_batch=1), "fp32", 4, "adamw", False),
+    ("data parallel through DDP, full recompute", ParallelPlan(dp=2, micro_batch=1, recompute="full"), "bf16", 4, "adamw", False),
+    ("ZeRO-1 over a pipeline", ParallelPlan(dp=2, pp=2, micro_batch=1, zero=1), "fp32", 4, "adamw", False),
+    ("DeepSpeed ZeRO-2, accumulating", ParallelPlan(dp=2, micro_batch=1, zero=2), "fp32", 4, "adamw", False),
+    ("FSDP2 ZeRO-3, bf16", ParallelPlan(dp=2, micro_batch=2, zero=3), "bf16", 4, "adamw", False),
+    ("master weights, ZeRO-1 over a pipeline", ParallelPlan(dp=2, pp=2, micro_batch=1, zero=1), "bf16", 4, "adamw", True),
 ]
 
 
-@pytest.mark.parametrize(("name", "plan", "precision", "global_batch", "optimizer"), MEASURED, ids=[m[0] for m in MEASURED])
-def test_the_estimate_matches_the_engines_measured_peak_on_every_rank(name, plan, precision, global_batch, optimizer):
+@pytest.mark.parametrize(("name", "plan", "precision", "global_batch", "optimizer", "master"), MEASURED, ids=[m[0] for m in MEASURED])
+def test_the_estimate_matches_the_engines_measured_peak_on_every_rank(name, plan, precision, global_batch, optimizer, master):
     settings = OptimizerSettings(name=optimizer)
-    work = Workload(model=NANO, plan=plan, global_batch=global_batch, seq_len=64, precision=precision, optimizer=settings)
-    measured = measure(work)
-    predicted = estimate(
-        NANO, plan, global_batch=global_batch, seq_len=64, precision=precision, optimizer_bytes_per_param=settings.state_bytes_per_parameter
-    )
+    common = {"global_batch": global_batch, "seq_len": 64, "precision": precision, "master_weights": master}
+    measured = measure(Workload(model=NANO, plan=plan, optimizer=settings, **common))
+    predicted = estimate(NANO, plan, optimizer_bytes_per_param=settings.state_bytes_per_parameter, **common)
     assert [m.rank for m in measured] == list(range(plan.gpus))
     peak = max(m.breakdown.total for m in measured)
     assert abs(predicted.peak_bytes - peak) <= 0.03 * peak, (predicted, measured)
@@ -87,7 +86,7 @@ def test_the_estimate_matches_the_engines_measured_peak_on_every_rank(name, plan
         assert abs(stage.total - m.breakdown.total) <= 0.03 * m.breakdown.total, (m.rank, stage, m.breakdown)
         # Model states are exact (tp: the row-parallel biases live on tp rank 0; DDP: its bucket
         # rebuild makes new gradient storage that MemTracker first sees in the forward).
-        if plan.tp == 1 and not uses_ddp(plan):
+        if plan.tp == 1 and not uses_ddp(plan, master):
             assert (stage.params, stage.grads) == (m.breakdown.params, m.breakdown.grads)
 
 

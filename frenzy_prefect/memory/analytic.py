@@ -1,7 +1,10 @@
 """Analytic per-GPU peak memory of the project's training engine, itemised per pipeline stage.
 
 The engine (``training/engine.py``) keeps fp32 weights, fp32 gradient buffers that persist
-between steps, and optimizer states; bf16/fp16 run under torch autocast. Its peak is the
+between steps, and optimizer states; bf16/fp16 run under torch autocast. With master weights
+(``master_weights``) the weights are half, the persistent gradients fp32 main gradients, and fp32
+masters sit beside the optimizer states; no autocast runs, so the residual stream and LayerNorm's
+statistics are half and no weight copies are kept. Its peak is the
 largest of a few moments of a training step, each the sum of the tensors alive then:
 
 - forward-loss: the activations saved by every in-flight micro-batch, plus the logits and their
