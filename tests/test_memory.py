@@ -16,7 +16,7 @@ from frenzy_prefect.profiling.model import PRESETS
 from frenzy_prefect.spec.catalog import GPU_CATALOG
 from frenzy_prefect.spec.layout import parameter_sizes, stage_parameters, uses_ddp
 from frenzy_prefect.spec.plan import ParallelPlan
-from frenzy_prefect.spec.request import OptimizerSettings
+from frenzy_prefect.spec.request import OptimizerSettings, TrainingRequest
 from frenzy_prefect.training.decoder import Decoder
 from frenzy_prefect.training.measure import Workload, measure
 from frenzy_prefect.units import GIB
@@ -46,6 +46,34 @@ def test_model_states_equal_the_real_tensors_after_a_step(name, kwargs, state_by
         NANO, ParallelPlan(micro_batch=2), global_batch=2, seq_len=16, precision="fp32", optimizer_bytes_per_param=state_bytes
     ).per_stage[0]
     assert (b.params, b.grads, b.optimizer) == measured
+
+
+def test_master_weights_model_states_are_the_engines_tensors_after_a_step():
+    """Half weights, fp32 main gradients, fp32 masters beside Adam's states, counted on the engine's own tensors."""
+    from frenzy_prefect.training.engine import Engine
+
+    plan = ParallelPlan(micro_batch=2)
+    engine = Engine(NANO, plan, precision="bf16", optimizer=OptimizerSettings(), accumulation=1, master_weights=True)
+    x = torch.randint(0, NANO.vocab_size, (2, 16))
+    engine.step([(x, x)])
+    masters, states = engine.masters, engine.optimizer.state.values()
+    measured = (
+        _bytes(engine.model.parameters()),
+        _bytes(m.grad for m in masters),
+        _bytes(masters) + _bytes(t for s in states for k, t in s.items() if k != "step"),
+    )
+    b = estimate(NANO, plan, global_batch=2, seq_len=16, precision="bf16", optimizer_bytes_per_param=8, master_weights=True).per_stage[0]
+    assert (b.params, b.grads, b.optimizer) == measured
+
+
+def test_master_weights_are_refused_with_fp32_and_under_zero_2():
+    kwargs = {"global_batch": 4, "seq_len": 16, "master_weights": True}
+    with pytest.raises(FrenzyError, match="zero 0, 1 or 3"):
+        estimate(NANO, ParallelPlan(dp=2, micro_batch=2, zero=2), precision="bf16", optimizer_bytes_per_param=8, **kwargs)
+    with pytest.raises(FrenzyError, match="bf16 or fp16"):
+        estimate(NANO, ParallelPlan(micro_batch=2), precision="fp32", optimizer_bytes_per_param=8, **kwargs)
+    with pytest.raises(ValueError, match="set precision bf16 or fp16"):
+        TrainingRequest(model="gpt-nano", dataset="s3://b/d.txt", steps=1, precision="fp32", **kwargs)
 
 
 @pytest.mark.parametrize(("base", "tied"), [("gpt-nano", True), ("gpt-nano", False), ("llama-nano", False), ("qwen2-0.5b", True)])
