@@ -302,8 +302,7 @@ def stage_peaks(
 ) -> list[Breakdown]:
     """The tensors at the peak of a rank of each of ``stages`` (default: every pipeline stage), as
     plain tuples. ``master_weights``: half weights (2 bytes), fp32 main gradients (4) and fp32
-    masters beside the optimizer states (4 + states, the masters whole on every replica under
-    ZeRO-1, whose ZeroRedundancyOptimizer broadcasts them)."""
+    masters beside the optimizer states (4 + states, both for the replica's share under ZeRO-1)."""
     check_plan(model, plan)
     if master_weights and (precision == "fp32" or plan.zero == 2):
         raise FrenzyError("master weights are half weights beside fp32 masters, with zero 0, 1 or 3 (not 2) and precision bf16 or fp16")
@@ -329,7 +328,7 @@ def stage_peaks(
             step = (moments.ids, adam_temporaries(owned if on_gpu else owned_largest, optimizer_bytes_per_param, on_gpu))
             rebuild = (moments.ids, FP32 * params if uses_ddp(plan, master_weights) else 0)
             saved, transient = max((*moments.before_grads, moments.block, moments.embedding or step, step, rebuild), key=sum)
-            states = master_bytes * params + optimizer_bytes_per_param * owned
+            states = (master_bytes + optimizer_bytes_per_param) * owned
             worst = max(worst, (weight_bytes * params, FP32 * params, states, saved, transient), key=sum)
         out.append(worst)
     return out

@@ -18,8 +18,11 @@ into an fp32 ``main_grad`` and freed (a post-accumulate-grad hook, as Megatron d
 optimizer steps fp32 master copies whose ``.grad`` is that main gradient, and the masters are
 copied back into the half weights after the step. The main gradients are all-reduced after the
 backward (not through DDP, whose buckets would hold the half gradients and reduce them in half
-precision); ZeRO-1's ZeroRedundancyOptimizer steps each replica's share of the masters and
-broadcasts the updated masters, so every replica refreshes all its half weights from them.
+precision). ZeRO-1 (Megatron's distributed optimizer): each replica keeps the masters, and the
+optimizer states, of the whole tensors ZeroRedundancyOptimizer would deal it (``zero1_owners``),
+steps them, refreshes its own half weights from them and broadcasts those to the other replicas,
+so every replica's half weights are current (ZeroRedundancyOptimizer itself would need every
+master on every replica, to broadcast them).
 ZeRO-3 uses FSDP2's own mixed precision (its sharded fp32 parameters are the masters); ZeRO-2
 (DeepSpeed) is not offered with master weights.
 """
@@ -91,6 +94,37 @@ def zero_config(spec: ModelSpec, plan: ParallelPlan, accumulation: int, settings
             "contiguous_gradients": True,
         },
     }
+
+
+def zero1_owners(params: list[torch.Tensor], dp: int) -> list[int]:
+    """The data-parallel rank that steps each of ``params`` under ZeRO-1, as torch's
+    ZeroRedundancyOptimizer deals them: largest first, each to the rank holding the fewest elements."""
+    owners, totals = [0] * len(params), [0] * dp
+    for i in sorted(range(len(params)), key=lambda i: params[i].numel(), reverse=True):
+        owners[i] = totals.index(min(totals))
+        totals[owners[i]] += params[i].numel()
+    return owners
+
+
+def half_weights(params: list[torch.nn.Parameter], dtype: torch.dtype, keep: list[bool]) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+    """Give each of ``params`` an fp32 ``main_grad``, into which a hook adds (and then frees) each
+    half gradient, and cast it to ``dtype`` in place; returns (parameter, fp32 master) for those
+    ``keep`` marks, each master's ``.grad`` the parameter's main gradient."""
+
+    def accumulate(p: torch.nn.Parameter) -> None:
+        p.main_grad.add_(p.grad)
+        p.grad = None
+
+    masters = []
+    for p, kept in zip(params, keep, strict=True):
+        p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+        if kept:
+            master = p.detach().clone()
+            master.grad = p.main_grad
+            masters.append((p, master))
+        p.data = p.data.to(dtype)
+        p.register_post_accumulate_grad_hook(accumulate)
+    return masters
 
 
 @dataclass
@@ -172,9 +206,15 @@ class Engine:
         if self.groups and plan.zero == 3:  # (replaces the parameters by their shards)
             shard_fully(self.model, self.model.blocks, self.groups.dp, device, param_dtype=half if master_weights else None)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.masters: list[torch.Tensor] = []  # fp32 master weights, their .grad the main gradients
-        if master_weights and plan.zero != 3:
-            self.masters = self._half_weights(params, half)
+        sharded = self.groups.dp if self.groups and plan.zero == 1 and plan.dp > 1 else None
+        # Master weights outside FSDP: half weights with fp32 main gradients (``main_grad``), and
+        # (parameter, fp32 master) for the parameters this rank steps (ZeRO-1: its share).
+        self.main_grads = master_weights and plan.zero != 3
+        self.owners = zero1_owners(params, plan.dp) if self.main_grads and sharded else None
+        self.masters: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        if self.main_grads:
+            mine = dist.get_rank(sharded) if self.owners else None
+            self.masters = half_weights(params, half, [owner == mine for owner in self.owners or [None] * len(params)])
         # Plain data parallelism overlaps the gradient all-reduce with the backward through DDP
         # (its buckets are the gradients: gradient_as_bucket_view); other plans reduce after it.
         self.ddp = None
@@ -185,39 +225,33 @@ class Engine:
                 process_group=self.groups.dp,
                 gradient_as_bucket_view=True,
             )
-        sharded = self.groups.dp if self.groups and plan.zero == 1 and plan.dp > 1 else None
-        self.optimizer = make_optimizer(self.masters or params, optimizer, sharded)
+        if self.main_grads:
+            self.optimizer = make_optimizer([master for _, master in self.masters], optimizer)
+        else:
+            self.optimizer = make_optimizer(params, optimizer, sharded)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor)
         self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
         self.deepspeed = self._start_zero(accumulation) if plan.zero == 2 else None
 
-    @staticmethod
-    def _half_weights(params: list[torch.nn.Parameter], dtype: torch.dtype) -> list[torch.Tensor]:
-        """Cast ``params`` to ``dtype`` in place and return their fp32 masters (each with an fp32
-        ``.grad``, also the parameter's ``main_grad``, into which a hook adds every half gradient)."""
-
-        def accumulate(p: torch.nn.Parameter) -> None:
-            p.main_grad.add_(p.grad)
-            p.grad = None
-
-        masters = []
-        for p in params:
-            master = p.detach().clone()
-            master.grad = torch.zeros_like(master)
-            p.data = p.data.to(dtype)
-            p.main_grad = master.grad
-            p.register_post_accumulate_grad_hook(accumulate)
-            masters.append(master)
-        return masters
-
     def _grad(self, p: torch.nn.Parameter) -> torch.Tensor:
         """The gradient the optimizer reads: the fp32 main gradient with master weights."""
-        return p.main_grad if self.masters else p.grad
+        return p.main_grad if self.main_grads else p.grad
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's weights, in fp32 from the masters when there are masters."""
-        by_param = dict(zip(map(id, (p for p in self.model.parameters() if p.requires_grad)), self.masters, strict=False))
+        """The model's weights, in fp32 from the masters this rank holds."""
+        by_param = {id(p): master for p, master in self.masters}
         return {name: by_param.get(id(t), t).detach() for name, t in self.model.state_dict(keep_vars=True).items()}
+
+    @torch.no_grad()
+    def _refresh_half_weights(self) -> None:
+        """Copy the stepped masters into their half weights; ZeRO-1: each owner broadcasts its
+        tensors' new half weights to the other replicas."""
+        for p, master in self.masters:
+            p.copy_(master)
+        if self.owners:
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            for p, owner in zip(params, self.owners, strict=True):
+                dist.broadcast(p, dist.get_global_rank(self.groups.dp, owner), group=self.groups.dp)
 
     def _start_zero(self, accumulation: int):
         """Hand model, optimizer and schedule to DeepSpeed's ZeRO engine (its optimizer wraps ours)."""
@@ -253,10 +287,12 @@ class Engine:
             self._clip_gradients(self.settings.grad_clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        with torch.no_grad():  # every replica's masters are current (ZeRO-1 broadcast its updates)
-            for p, master in zip((p for p in self.model.parameters() if p.requires_grad), self.masters, strict=False):
-                p.copy_(master)
-        self.optimizer.zero_grad(set_to_none=False)  # gradient buffers persist, as in Megatron/DeepSpeed
+        if self.main_grads:
+            self._refresh_half_weights()
+            for p in self.model.parameters():
+                p.main_grad.zero_()
+        else:
+            self.optimizer.zero_grad(set_to_none=False)  # gradient buffers persist, as in Megatron/DeepSpeed
         self.schedule.step()
         return loss
 

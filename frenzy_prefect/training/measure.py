@@ -148,8 +148,9 @@ def measure_rank(work: Workload, ctx: DistributedContext) -> RankMemory:
         )
         tracker.track_modules(engine.model)
         tracker.track_external(engine.optimizer, *([engine.optimizer.optim] if hasattr(engine.optimizer, "optim") else []))
-        tracker.categorise(engine.masters, _MemRefType.OPT)  # fp32 master weights: optimizer state
-        tracker.categorise((m.grad for m in engine.masters), _MemRefType.GRAD)  # their fp32 main gradients
+        tracker.categorise((master for _, master in engine.masters), _MemRefType.OPT)  # fp32 master weights: optimizer state
+        if engine.main_grads:
+            tracker.categorise((p.main_grad for p in engine.model.parameters()), _MemRefType.GRAD)  # fp32 main gradients
         tracker.restart_peak()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
