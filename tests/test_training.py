@@ -229,8 +229,8 @@ MASTER = {"precision": "bf16", "master_weights": True}
     ids=lambda p: p.label() if isinstance(p, ParallelPlan) else "",
 )
 def test_sharded_plans_with_master_weights_train_as_data_parallel_master_weights(plan, tolerance):
-    """ZeRO-1 steps each replica's share of the fp32 masters and broadcasts them: every replica's
-    bf16 weights must be refreshed from all the masters, or the next losses differ. FSDP2's mixed
+    """ZeRO-1 keeps and steps each replica's share of the fp32 masters; the owners broadcast the new
+    bf16 weights, or the other replicas' next losses differ. FSDP2's mixed
     precision reduce-scatters each micro-batch's bf16 gradients in fp32 (the same sums, another
     order: bf16's tolerance)."""
     expected = _replica0_losses(ParallelPlan(dp=2, micro_batch=2), **MASTER)
