@@ -172,3 +172,14 @@ def test_placement_never_over_books_a_node(free, groups, group):
     by_name = {n.name: idx for n, idx in nodes}
     for p in placed:
         assert set(p.gpus) <= set(by_name[p.node]) and len(set(p.gpus)) == len(p.gpus)
+
+
+def test_master_weights_candidates_leave_out_zero_2_and_count_half_weights():
+    """DeepSpeed's ZeRO-2 runs fp32 weights only; every other plan is estimated with bf16
+    weights beside fp32 masters (the same 2 + 4 + 4 + 8 bytes per parameter without ZeRO)."""
+    req = TrainingRequest(model="gpt-nano", dataset="s3://b/d.txt", steps=1, global_batch=8, seq_len=64, master_weights=True)
+    cands = allocator.candidate_plans(PRESETS["gpt-nano"], req, CLUSTER, "full")
+    assert cands and all(c.plan.zero != 2 for c in cands)
+    plain = next(c for c in cands if c.plan.gpus == 1 and c.plan.recompute == "none")
+    n = PRESETS["gpt-nano"].parameters
+    assert (plain.memory.peak_stage.params, plain.memory.peak_stage.grads, plain.memory.peak_stage.optimizer) == (2 * n, 4 * n, 12 * n)
