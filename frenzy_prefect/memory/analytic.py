@@ -6,7 +6,9 @@ largest of a few moments of a training step, each the sum of the tensors alive t
 
 - forward-loss: the activations saved by every in-flight micro-batch, plus the logits and their
   fp32 copy while the loss is computed;
-- loss-backward: saved activations plus the two fp32 vocabulary-sized gradients of the loss;
+- loss-backward: saved activations plus the two fp32 vocabulary-sized gradients of the loss
+  (tp > 1: the vocab-parallel loss turns its saved softmax into the gradient in place);
+- final-norm-backward: the head's tensors freed, the final norm's backward temporaries;
 - block-backward: the last block's backward, with the head's activations freed and the block's
   gradient temporaries alive (and, under full recomputation, the block re-materialised);
 - embedding-backward: the dense embedding gradient at the end of backward;
@@ -35,6 +37,9 @@ one fixed block. Per knob:
 Attention dropout under ``flash`` is counted as CUDA's fused kernels run it (they regenerate the
 mask, keeping no scores), which is not measured here; on CPU torch falls back to its math kernel,
 which keeps scores and masks, and that case is not modelled.
+Under tensor parallelism the vocabulary is split (Megatron's vocab-parallel embedding, column-
+parallel head and cross-entropy): every vocabulary-sized term is one rank's V/t slice
+(``vocab_rows``), with the rank-local token ids and masks the embedding and the loss keep.
 Pipeline stages hold 1F1B's in-flight micro-batches (stage s of p: min(p - s, micro-batches)).
 ZeRO-1 shards the optimizer states as torch's ZeroRedundancyOptimizer deals tensors out
 (``optimizer_shares``); ZeRO-2 keeps what DeepSpeed 0.19 keeps (``_zero2_peak``); ZeRO-3 what
