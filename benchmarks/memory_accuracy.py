@@ -45,6 +45,7 @@ LLAMA_TIED = LLAMA_NANO.model_copy(update={"name": "llama-nano-tied", "tied_embe
 DROPOUT = {"attention_dropout": 0.1, "hidden_dropout": 0.1}  # what GPT-2's HF config sets
 NANO_DROPOUT = NANO.model_copy(update={"name": "gpt-nano-drop", **DROPOUT})
 LLAMA_DROPOUT = LLAMA_NANO.model_copy(update={"name": "llama-nano-drop", **DROPOUT})
+NANO_ODD = NANO.model_copy(update={"name": "gpt-nano-v251", "vocab_size": 251})  # tp=2 pads the vocabulary to 252
 
 # (model, plan, precision, global batch, sequence length, optimizer[, attention: flash by default])
 GRID: list[tuple] = [
@@ -106,6 +107,10 @@ GRID: list[tuple] = [
     (LLAMA_DROPOUT, {"recompute": "full"}, "fp32", 8, 128, "adamw", "eager"),
     (LLAMA_DROPOUT, {"pp": 2}, "bf16", 8, 128, "adamw", "eager"),
     (LLAMA_NANO, {}, "fp32", 4, 128, "adamw", "eager"),
+    # The vocabulary split over tp: with pipeline stages (a tied head on the last stage), and padded.
+    (NANO, {"tp": 2, "pp": 2}, "fp32", 8, 128, "adamw"),
+    (LLAMA_NANO, {"tp": 2, "pp": 2}, "bf16", 8, 128, "adamw"),
+    (NANO_ODD, {"tp": 2}, "bf16", 4, 128, "adamw"),
 ]
 
 
