@@ -45,6 +45,7 @@ LLAMA_TIED = LLAMA_NANO.model_copy(update={"name": "llama-nano-tied", "tied_embe
 DROPOUT = {"attention_dropout": 0.1, "hidden_dropout": 0.1}  # what GPT-2's HF config sets
 NANO_DROPOUT = NANO.model_copy(update={"name": "gpt-nano-drop", **DROPOUT})
 LLAMA_DROPOUT = LLAMA_NANO.model_copy(update={"name": "llama-nano-drop", **DROPOUT})
+NANO_ODD = NANO.model_copy(update={"name": "gpt-nano-v251", "vocab_size": 251})  # tp=2 pads the vocabulary to 252
 
 MASTER = {"master_weights": True}  # bf16/fp16 weights, fp32 main gradients and masters
 
@@ -109,6 +110,10 @@ GRID: list[tuple] = [
     (LLAMA_DROPOUT, {"recompute": "full"}, "fp32", 8, 128, "adamw", "eager"),
     (LLAMA_DROPOUT, {"pp": 2}, "bf16", 8, 128, "adamw", "eager"),
     (LLAMA_NANO, {}, "fp32", 4, 128, "adamw", "eager"),
+    # The vocabulary split over tp: with pipeline stages (a tied head on the last stage), and padded.
+    (NANO, {"tp": 2, "pp": 2}, "fp32", 8, 128, "adamw"),
+    (LLAMA_NANO, {"tp": 2, "pp": 2}, "bf16", 8, 128, "adamw"),
+    (NANO_ODD, {"tp": 2}, "bf16", 4, 128, "adamw"),
     # Master weights: bf16 weights without autocast, fp32 main gradients, fp32 masters in the optimizer.
     (NANO, {}, "bf16", 4, 128, "adamw", MASTER),
     (NANO, {"recompute": "selective"}, "bf16", 4, 128, "adamw", MASTER),

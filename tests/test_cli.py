@@ -185,6 +185,7 @@ def test_the_command_line_does_not_import_torch():
     ("framework", "extra"),
     [
         ("frenzy", ["--attention", "flash"]),
+        ("frenzy", ["--attention", "eager", "--zero", "1", "--pp", "2"]),
         ("megatron", ["--attention", "flash", "--zero", "1", "--pp", "2"]),
         ("megatron", ["--attention", "eager", "--no-sequence-parallel"]),
         ("fsdp", ["--attention", "flash", "--zero", "3", "--recompute", "selective"]),

@@ -321,3 +321,61 @@ def test_eager_attention_computes_what_the_fused_one_does(name):
     eager.load_state_dict(flash.state_dict())
     ids = torch.randint(0, 256, (2, 24))
     torch.testing.assert_close(eager(ids), flash(ids), atol=1e-5, rtol=1e-4)
+
+
+def _vocab_parallel_rank(rank: int, port: int, out) -> None:
+    """One of two tensor-parallel ranks: its vocabulary slice of the logits, the loss over the
+    slices, and the gradient of its slice; the embedding of its rows, summed over the ranks."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
+    tp = TensorParallel(rank=rank, size=2, group=dist.new_group([0, 1]))
+    generator = torch.Generator().manual_seed(0)
+    logits = 5 * torch.randn(24, 10, generator=generator)  # the whole vocabulary, alike on both ranks
+    targets = torch.randint(0, 10, (24,), generator=generator)
+    table = torch.randn(10, 6, generator=generator)
+    ids = torch.randint(0, 10, (3, 8), generator=generator)
+    part = logits[:, tp.split(10)].clone().requires_grad_()
+    loss = tp.cross_entropy(part, targets)
+    loss.backward()
+    rows = table[tp.split(10)].clone().requires_grad_()
+    embedded = tp.embed(ids, rows)
+    embedded.pow(2).sum().backward()
+    out.put((rank, loss.item(), part.grad, embedded.detach(), rows.grad))
+    dist.destroy_process_group()
+
+
+def test_the_vocab_parallel_loss_and_embedding_compute_what_the_whole_vocabulary_does():
+    """Two gloo ranks, each with half of the vocabulary: the loss, each slice's gradient and the
+    embeddings equal the unsplit cross-entropy's and embedding's."""
+    ctx = multiprocessing.get_context("spawn")
+    out, port = ctx.Queue(), free_port()
+    ranks = [ctx.Process(target=_vocab_parallel_rank, args=(r, port, out)) for r in range(2)]
+    for p in ranks:
+        p.start()
+    results = sorted(out.get(timeout=120) for _ in ranks)
+    for p in ranks:
+        p.join(timeout=60)
+    assert [p.exitcode for p in ranks] == [0, 0]
+    generator = torch.Generator().manual_seed(0)
+    logits = (5 * torch.randn(24, 10, generator=generator)).requires_grad_()
+    targets = torch.randint(0, 10, (24,), generator=generator)
+    table = torch.randn(10, 6, generator=generator).requires_grad_()
+    ids = torch.randint(0, 10, (3, 8), generator=generator)
+    loss = torch.nn.functional.cross_entropy(logits, targets)
+    loss.backward()
+    embedded = torch.nn.functional.embedding(ids, table)
+    embedded.pow(2).sum().backward()
+    for rank, value, grad, out_embedded, rows_grad in results:
+        assert value == pytest.approx(loss.item(), rel=1e-6)
+        torch.testing.assert_close(grad, logits.grad[:, rank * 5 : (rank + 1) * 5])
+        torch.testing.assert_close(out_embedded, embedded.detach())
+        torch.testing.assert_close(rows_grad, table.grad[rank * 5 : (rank + 1) * 5])
+
+
+@pytest.mark.parametrize("plan", [ParallelPlan(tp=2, micro_batch=2), ParallelPlan(tp=2, pp=2, micro_batch=2)], ids=lambda p: p.label())
+def test_vocab_parallel_plans_train_the_same_model_as_one_rank(plan):
+    # The embedding, head, logits and loss split over the vocabulary (the tied head a slice of the
+    # embedding, on another stage with pp=2), clipped by the whole model's gradient norm: the
+    # same losses as the unsplit model, step after step.
+    expected = _replica0_losses(ParallelPlan(micro_batch=2))
+    assert _replica0_losses(plan) == pytest.approx(expected, abs=1e-5)

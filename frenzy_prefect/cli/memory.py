@@ -70,7 +70,7 @@ class Workload:
 
 MODEL_ARG = typer.Argument(..., help="Preset name or path/URI of an HF-style config.json.")
 DP = typer.Option(1, "--dp", help="Data-parallel replicas.")
-TP = typer.Option(1, "--tp", help="Tensor-parallel ranks (must divide heads, hidden and ffn).")
+TP = typer.Option(1, "--tp", help="Tensor-parallel ranks (must divide heads, kv_heads, hidden and ffn).")
 PP = typer.Option(1, "--pp", help="Pipeline stages (1F1B), at most the number of layers.")
 MICRO_BATCH = typer.Option(1, "--micro-batch")
 GLOBAL_BATCH = typer.Option(None, "--global-batch", help="Default: dp * micro-batch.")

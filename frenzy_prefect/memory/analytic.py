@@ -9,7 +9,9 @@ largest of a few moments of a training step, each the sum of the tensors alive t
 
 - forward-loss: the activations saved by every in-flight micro-batch, plus the logits and their
   fp32 copy while the loss is computed;
-- loss-backward: saved activations plus the two fp32 vocabulary-sized gradients of the loss;
+- loss-backward: saved activations plus the two fp32 vocabulary-sized gradients of the loss
+  (tp > 1: the vocab-parallel loss turns its saved softmax into the gradient in place);
+- final-norm-backward: the head's tensors freed, the final norm's backward temporaries;
 - block-backward: the last block's backward, with the head's activations freed and the block's
   gradient temporaries alive (and, under full recomputation, the block re-materialised);
 - embedding-backward: the dense embedding gradient at the end of backward;
@@ -38,6 +40,9 @@ one fixed block. Per knob:
 Attention dropout under ``flash`` is counted as CUDA's fused kernels run it (they regenerate the
 mask, keeping no scores), which is not measured here; on CPU torch falls back to its math kernel,
 which keeps scores and masks, and that case is not modelled.
+Under tensor parallelism the vocabulary is split (Megatron's vocab-parallel embedding, column-
+parallel head and cross-entropy): every vocabulary-sized term is one rank's V/t slice
+(``vocab_rows``), with the rank-local token ids and masks the embedding and the loss keep.
 Pipeline stages hold 1F1B's in-flight micro-batches (stage s of p: min(p - s, micro-batches)).
 ZeRO-1 shards the optimizer states as torch's ZeroRedundancyOptimizer deals tensors out
 (``optimizer_shares``); ZeRO-2 keeps what DeepSpeed 0.19 keeps (``_zero2_peak``); ZeRO-3 what
@@ -64,6 +69,7 @@ from frenzy_prefect.spec.layout import (
     stage_shapes,
     stage_tensor_sizes,
     uses_ddp,
+    vocab_rows,
     zero_bucket_elements,
 )
 from frenzy_prefect.spec.model import ModelSpec
@@ -125,6 +131,7 @@ class Moments(NamedTuple):
     block: tuple[int, int]  # the last block's backward
     embedding: tuple[int, int] | None  # the embedding's backward (first stage)
     ids: int  # token ids of the step's micro-batches, alive through the optimizer step
+    final_norm: tuple[int, int] | None = None  # the final norm's backward (last stage)
 
 
 class MicroBatchTerms(NamedTuple):
@@ -142,6 +149,8 @@ class MicroBatchTerms(NamedTuple):
     embedding_backward: int  # the residual gradient and the dense embedding gradient
     ids: int  # one micro-batch's token ids (inputs and shifted targets share one tensor)
     tied_pending: int  # the head's gradient, waiting for the embedding's when the two are tied
+    final_norm_saved: int = 0  # what the final norm keeps (its input and statistics), part of ``head``
+    final_norm_backward: int = 0  # the final norm's backward: its output's gradient and its temporaries
 
 
 class NormBytes(NamedTuple):
@@ -210,9 +219,11 @@ def micro_batch_terms(
     attention: Attention = "flash",
     master_weights: bool = False,
 ) -> MicroBatchTerms:
-    s, b, h, f, V, t = seq_len, micro_batch, model.hidden, model.ffn_hidden, model.padded_vocab, tp
+    # V: this rank's vocabulary slice (the whole padded vocabulary when t = 1; ``vocab_rows``).
+    s, b, h, f, V, t = seq_len, micro_batch, model.hidden, model.ffn_hidden, vocab_rows(model, tp), tp
     e = COMPUTE_BYTES[precision]
-    copies = e < FP32 and not master_weights  # autocast's half weight copies
+    half = e < FP32
+    copies = half and not master_weights  # autocast's half weight copies
     sbh, sb, sbV = s * b * h, s * b, s * b * V
     norm_out = e * sbh
     norm = norm_bytes(model, sb, precision, master_weights)
@@ -232,20 +243,37 @@ def micro_batch_terms(
     # Made once per micro-batch and shared by a stage's blocks: the rotary tables (compute dtype)
     # and eager attention's causal mask (bool).
     shared = (2 * s * model.head_dim * e if model.position == "rope" else 0) + (s * s if attention == "eager" else 0)
+    # Split over the vocabulary (t > 1), the embedding keeps its rank-local token ids (int64) and
+    # the mask of the tokens other ranks hold (bool), and so does the loss for the targets.
+    local_ids = (INDEX + 1) * sb if t > 1 else 0
     return MicroBatchTerms(
         saved_layer=r * sbh if recompute == "full" else layer,
-        head=norm.input * sbh + norm.saved + norm_out + (2 * V * h if copies else 0) + FP32 * sbV,
+        # The final norm's input and statistics, its output cast for the head, autocast's copy of the
+        # head, and the loss's fp32 (log-)softmax of the rank's slice.
+        head=norm.input * sbh + norm.saved + norm_out + (e * V * h if copies else 0) + FP32 * sbV + local_ids,
         boundary=r * sbh,
         shared=shared,
-        embedding=sbh if model.hidden_dropout else 0,  # the embeddings' dropout mask (bool)
+        embedding=(sbh if model.hidden_dropout else 0) + local_ids,  # the embeddings' dropout mask (bool)
         block_temp=block_temp,
         # Under full recomputation nothing but autocast's cache keeps the copies until the forward ends.
         cache_layer=2 * layer_parameters(model, t)[1] if copies and recompute == "full" else 0,
-        logits=(FP32 + e if e < FP32 else FP32) * sbV,
-        loss_backward=2 * FP32 * sbV,
-        embedding_backward=r * sbh + g * V * h,
+        logits=(FP32 + e if half else FP32) * sbV,
+        # F.cross_entropy's backward makes two fp32 vocabulary-sized gradients; the vocab-parallel
+        # loss turns its saved softmax into the gradient in place, cast to the logits' half dtype.
+        loss_backward=2 * FP32 * sbV if t == 1 else (e * sbV if half else 0),
+        # The residual's gradient and the dense embedding gradient (and, split, the gradient of the
+        # masked embedding output).
+        embedding_backward=r * sbh + g * V * h + (r * sbh if t > 1 else 0),
         ids=b * (s + 1) * INDEX,
         tied_pending=g * V * h if model.tied_embeddings else 0,
+        # With the vocabulary split the head's tensors are small and this can be the peak. LayerNorm's
+        # fused backward keeps its input and statistics and makes the input's gradient beside the
+        # output's (and the scale's and shift's). Torch's RMSNorm on CPU runs as pow, mean, rsqrt and
+        # products: the normalised input is freed once the scale's gradient is made, the input and
+        # reciprocal root mean square stay, and five fp32 sbh tensors are alive at once (two partial
+        # input gradients, the mean's, pow's and their product).
+        final_norm_saved=norm.input * sbh + (FP32 * sb if model.norm == "rmsnorm" else norm.saved),
+        final_norm_backward=5 * FP32 * sbh if model.norm == "rmsnorm" else 2 * r * sbh + 2 * g * h,
     )
 
 
@@ -272,7 +300,8 @@ def activation_moments(terms: MicroBatchTerms, plan: ParallelPlan, *, layers: in
     else:
         before = ((held + micro, cache),)
     embedding = (held, terms.embedding_backward + pending) if first else None
-    return Moments(before, (held + micro - head, terms.block_temp + pending), embedding, ids)
+    final_norm = (held + micro - head + terms.final_norm_saved, terms.final_norm_backward + pending) if last else None
+    return Moments(before, (held + micro - head, terms.block_temp + pending), embedding, ids, final_norm)
 
 
 def adam_temporaries(tensor_elements: int, optimizer_bytes_per_param: int, on_gpu: bool) -> int:
@@ -327,7 +356,9 @@ def stage_peaks(
         for owned, owned_largest in shares:
             step = (moments.ids, adam_temporaries(owned if on_gpu else owned_largest, optimizer_bytes_per_param, on_gpu))
             rebuild = (moments.ids, FP32 * params if uses_ddp(plan, master_weights) else 0)
-            saved, transient = max((*moments.before_grads, moments.block, moments.embedding or step, step, rebuild), key=sum)
+            saved, transient = max(
+                (*moments.before_grads, moments.block, moments.final_norm or step, moments.embedding or step, step, rebuild), key=sum
+            )
             states = (master_bytes + optimizer_bytes_per_param) * owned
             worst = max(worst, (weight_bytes * params, FP32 * params, states, saved, transient), key=sum)
         out.append(worst)

@@ -38,6 +38,20 @@ def tp_splits(model: ModelSpec, tp: int) -> bool:
     return not (model.heads % tp or model.kv_heads % tp or model.hidden % tp or model.ffn_hidden % tp)
 
 
+def padded_vocab(model: ModelSpec, tp: int) -> int:
+    """Rows of the whole token embedding and head under ``tp``-way tensor parallelism. As Megatron
+    pads (``make_vocab_size_divisible_by`` times tp): the vocabulary padded to a multiple of
+    ``vocab_multiple * tp``, so each rank holds an equal slice. tp = 1: ``model.padded_vocab``."""
+    multiple = model.vocab_multiple * tp
+    return -(-model.vocab_size // multiple) * multiple
+
+
+def vocab_rows(model: ModelSpec, tp: int) -> int:
+    """Rows of the token embedding and of the head on one tensor-parallel rank (its vocabulary
+    slice): the embedding, the head, the logits and the loss's gradients are split over tp."""
+    return padded_vocab(model, tp) // tp
+
+
 def uses_ddp(plan: ParallelPlan, master_weights: bool = False) -> bool:
     """Whether the engine reduces gradients through DDP (overlapped with the backward): plain data
     parallelism. DDP's buckets are the gradients, but it rebuilds them once, in the order the
@@ -67,10 +81,10 @@ def block_shapes(model: ModelSpec, tp: int) -> list[tuple[int, int]]:
     return [*norm, *attention, *norm, (mlp_in, h), *([(mlp_in, 1)] if m.mlp_bias else []), (h, f // tp), *([(h, 1)] if m.mlp_bias else [])]
 
 
-def root_shapes(model: ModelSpec) -> list[tuple[int, int]]:
-    """(rows, columns) of the parameters outside the blocks, in module order: token embedding,
-    learned positions, final norm, untied head."""
-    h, V = model.hidden, model.padded_vocab
+def root_shapes(model: ModelSpec, tp: int = 1) -> list[tuple[int, int]]:
+    """(rows, columns) of the parameters outside the blocks on one tensor-parallel rank, in module
+    order: token embedding (its vocabulary slice), learned positions, final norm, untied head (its slice)."""
+    h, V = model.hidden, vocab_rows(model, tp)
     positions = [(model.max_seq_len, h)] if model.position == "learned" else []
     final_norm = [(h, 1), (h, 1)] if model.norm == "layernorm" else [(h, 1)]
     return [(V, h), *positions, *final_norm, *([] if model.tied_embeddings else [(V, h)])]
@@ -91,8 +105,9 @@ def layer_parameters(model: ModelSpec, tp: int) -> tuple[int, int]:
 def stage_tensor_sizes(model: ModelSpec, plan: ParallelPlan, stage: int) -> list[int]:
     """Elements of every parameter tensor on a rank of a stage (tp rank 0): its layers, the
     embeddings on the first stage, the final norm and head on the last (a separate copy of a tied
-    embedding when the stages differ). Embeddings and head are replicated over tp."""
-    h, V = model.hidden, model.padded_vocab
+    embedding when the stages differ). The token embedding and the head hold the rank's
+    vocabulary slice (``vocab_rows``); learned positions and norms are replicated over tp."""
+    h, V = model.hidden, vocab_rows(model, plan.tp)
     sizes = block_tensors(model, plan.tp) * stage_layer_counts(model.layers, plan.pp)[stage]
     if stage == 0:
         sizes += [V * h] + ([model.max_seq_len * h] if model.position == "learned" else [])
@@ -105,13 +120,12 @@ def stage_tensor_sizes(model: ModelSpec, plan: ParallelPlan, stage: int) -> list
 
 def stage_parameters(model: ModelSpec, plan: ParallelPlan, stage: int) -> int:
     """Parameters on a rank of a stage (``stage_tensor_sizes``)."""
+    h, V = model.hidden, vocab_rows(model, plan.tp)
     n = stage_layer_counts(model.layers, plan.pp)[stage] * layer_parameters(model, plan.tp)[0]
     if stage == 0:
-        n += model.embedding_parameters
+        n += (V + (model.max_seq_len if model.position == "learned" else 0)) * h
     if stage == plan.pp - 1:
-        n += model.head_parameters
-        if model.tied_embeddings and plan.pp > 1:
-            n += model.padded_vocab * model.hidden
+        n += model.norm_parameters + (V * h if not model.tied_embeddings or plan.pp > 1 else 0)
     return n
 
 

@@ -3,9 +3,11 @@
 attention), tied or untied embeddings.
 
 One module serves every plan: ``stage``/``stages`` select a pipeline stage's layers (embeddings
-on the first, final norm and head on the last) and ``tp`` splits attention heads and the MLP
-Megatron-style. Weights are drawn for the whole model and sliced (``shard_state``), so every
-plan starts from the same weights. Shapes: B batch, T sequence, C hidden, V vocabulary.
+on the first, final norm and head on the last) and ``tp`` splits attention heads, the MLP and
+the vocabulary Megatron-style (the token embedding and the head hold V/t rows, the logits and
+the loss's gradients V/t columns; the vocabulary is padded to a multiple of tp, ``padded_vocab``).
+Weights are drawn for the whole model and sliced (``shard_state``), so every plan with the same
+padded vocabulary starts from the same weights. Shapes: B batch, T sequence, C hidden, V vocabulary.
 """
 
 from __future__ import annotations
@@ -13,11 +15,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from frenzy_prefect.spec.layout import stage_layer_counts
+from frenzy_prefect.spec.layout import padded_vocab, stage_layer_counts
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import Recompute
 from frenzy_prefect.spec.request import Attention
@@ -42,19 +43,23 @@ class Decoder(nn.Module):
         tp: TensorParallel = TensorParallel(),
         stage: int = 0,
         stages: int = 1,
+        vocab: int | None = None,
     ):
+        """``vocab``: rows of the whole token embedding and head (default: padded for ``tp``); the
+        whole model a ``tp``-way plan is sliced from is drawn with that plan's padding."""
         super().__init__()
-        self.spec, self.attention = spec, attention
+        self.spec, self.attention, self.tp = spec, attention, tp
+        rows = (vocab or padded_vocab(spec, tp.size)) // tp.size  # this rank's vocabulary slice
         self.first, self.last = stage == 0, stage == stages - 1
         self.recompute_blocks = recompute == "full"
         if self.first:
-            self.tok_emb = nn.Embedding(spec.padded_vocab, spec.hidden)
+            self.tok_emb = nn.Embedding(rows, spec.hidden)
             if spec.position == "learned":
                 self.pos_emb = nn.Embedding(spec.max_seq_len, spec.hidden)
         self.blocks = nn.ModuleList(Block(spec, attention, recompute, tp) for _ in stage_layers(spec.layers, stages, stage))
         if self.last:
             self.ln_f = norm(spec)
-            self.head = nn.Linear(spec.hidden, spec.padded_vocab, bias=False)
+            self.head = nn.Linear(spec.hidden, rows, bias=False)  # column-parallel
             if spec.tied_embeddings and self.first:
                 self.head.weight = self.tok_emb.weight
         if tp.size == 1 and stages == 1:
@@ -72,9 +77,10 @@ class Decoder(nn.Module):
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (B, T) in on the first stage, hidden states (B, T, C) in on the others; out:
-        hidden states, or on the last stage logits (B, T, V), or the mean cross-entropy given ``targets``."""
+        hidden states, or on the last stage logits (B, T, V/t: this rank's slice), or the mean
+        cross-entropy given ``targets``."""
         if self.first:
-            x = self.tok_emb(x)  # (B, T, C)
+            x = self.tp.embed(x, self.tok_emb.weight)  # (B, T, C)
             if self.spec.position == "learned":
                 x = x + self.pos_emb(torch.arange(x.shape[1], device=x.device))
             x = dropout(x, self.spec.hidden_dropout, self.training)
@@ -86,10 +92,10 @@ class Decoder(nn.Module):
                 x = block(x, shared)
         if not self.last:
             return x
-        logits = self.head(self.ln_f(x))  # (B, T, V)
+        logits = self.head(self.tp.enter(self.ln_f(x)))  # (B, T, V/t)
         if targets is None:
             return logits
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+        return self.tp.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def shard_state(full: dict[str, torch.Tensor], spec: ModelSpec, tp: TensorParallel, stage: int, stages: int) -> dict[str, torch.Tensor]:
@@ -106,17 +112,19 @@ def shard_state(full: dict[str, torch.Tensor], spec: ModelSpec, tp: TensorParall
             if part is not None:
                 out[f"blocks.{int(index) - layers.start}.{rest}"] = part
         elif name.startswith(("tok_emb", "pos_emb")) and stage == 0:
-            out[name] = t
+            out[name] = t[tp.split(t.shape[0])] if name == "tok_emb.weight" else t
         elif name.startswith(("ln_f", "head")) and stage == stages - 1:
-            out[name] = t
+            out[name] = t[tp.split(t.shape[0])] if name == "head.weight" else t
     if stage == stages - 1 and "head.weight" not in out:  # tied head on a later stage than the embedding
-        out["head.weight"] = full["tok_emb.weight"]
+        emb = full["tok_emb.weight"]
+        out["head.weight"] = emb[tp.split(emb.shape[0])]
     return out
 
 
 def is_tp_sharded(name: str) -> bool:
-    """Whether a parameter is split over tensor-parallel ranks (or, for row-parallel biases, held by one)."""
-    return ".attn." in name or ".mlp." in name
+    """Whether a parameter is split over tensor-parallel ranks (or, for row-parallel biases, held by
+    one): the blocks' attention and MLP, and the vocabulary slices of the token embedding and head."""
+    return ".attn." in name or ".mlp." in name or name in ("tok_emb.weight", "head.weight")
 
 
 def _rows(t: torch.Tensor, widths: list[int], tp: TensorParallel) -> torch.Tensor:

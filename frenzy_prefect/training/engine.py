@@ -41,7 +41,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from frenzy_prefect.errors import FrenzyError
-from frenzy_prefect.spec.layout import check_plan, uses_ddp, zero_bucket_elements
+from frenzy_prefect.spec.layout import check_plan, padded_vocab, uses_ddp, zero_bucket_elements
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import ParallelPlan
 from frenzy_prefect.spec.request import Attention, OptimizerSettings, Precision, check_master_weights
@@ -197,9 +197,10 @@ class Engine:
         if plan.tp == 1 and plan.pp == 1:
             self.model = Decoder(spec, plan.recompute, attention=attention)
         else:
-            full = Decoder(spec)
+            vocab = padded_vocab(spec, plan.tp)  # the whole model drawn with the plan's padding, then sliced
+            full = Decoder(spec, vocab=vocab)
             tp = self.groups.tp if self.groups else TensorParallel()
-            self.model = Decoder(spec, plan.recompute, attention=attention, tp=tp, stage=self.stage, stages=plan.pp)
+            self.model = Decoder(spec, plan.recompute, attention=attention, tp=tp, stage=self.stage, stages=plan.pp, vocab=vocab)
             self.model.load_state_dict(shard_state(full.state_dict(), spec, tp, self.stage, plan.pp))
             del full
         self.model.to(device)
@@ -391,7 +392,8 @@ class Engine:
 
     def _clip_gradients(self, max_norm: float) -> None:
         """Clip by the norm of the whole model's gradient: each tensor counted once over the tp
-        ranks that share it and the two copies of a tied embedding."""
+        ranks that share it (a split tensor, the vocabulary slices included, on every tp rank) and
+        the two copies of a tied embedding."""
         plan = self.plan
         if plan.zero == 3:
             clip_sharded_gradients(self.model, max_norm)
