@@ -32,5 +32,6 @@ def describe_validation_error(exc: ValidationError) -> str:
         where = ".".join(str(p) for p in err["loc"]) or exc.title
         got = err.get("input")
         shown = "" if isinstance(got, dict) or got is None else f" (got {got!r})"
-        lines.append(f"{where}: {err['msg']}{shown}")
+        message = err["msg"].removeprefix("Value error, ")  # a validator's own sentence, not pydantic's label
+        lines.append(f"{where}: {message}{shown}")
     return "; ".join(lines)

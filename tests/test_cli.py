@@ -120,6 +120,14 @@ def test_plan_json_chooses_a_placement_on_the_example_cluster():
         (["estimate", "gpt2-small", "--framework", "jax"], "unknown framework 'jax'; supported: frenzy, megatron, fsdp"),
         (["estimate", "gpt2-small", "--vpp", "2"], "--sequence-parallel and --vpp apply to --framework megatron only"),
         (["measure", "gpt-nano", "--framework", "megatron"], "measure runs this project's engine: --framework frenzy only"),
+        (
+            ["estimate", "llama-micro", "--master-weights", "--framework", "megatron"],
+            "--master-weights is this engine's choice (--framework frenzy); megatron keeps its own fp32 masters",
+        ),
+        (
+            ["estimate", "llama-micro", "--master-weights", "--precision", "fp32"],
+            "master_weights keeps bf16 or fp16 weights beside fp32 masters: set precision bf16 or fp16 (got fp32)",
+        ),
         (["measure", "gpt-nano", "--tp", "2", "--precision", "fp16"], "fp16 loss scaling is implemented for plain data parallelism"),
         (["estimate", "gpt2-small", "--precision", "fp8"], "precision: Input should be 'fp32', 'bf16' or 'fp16' (got 'fp8')"),
         (["estimate", "gpt2-small", "--recompute", "some"], "recompute: Input should be 'none', 'selective' or 'full' (got 'some')"),
@@ -186,6 +194,7 @@ def test_the_command_line_does_not_import_torch():
     [
         ("frenzy", ["--attention", "flash"]),
         ("frenzy", ["--attention", "eager", "--zero", "1", "--pp", "2"]),
+        ("frenzy", ["--attention", "flash", "--zero", "1", "--master-weights"]),
         ("megatron", ["--attention", "flash", "--zero", "1", "--pp", "2"]),
         ("megatron", ["--attention", "eager", "--no-sequence-parallel"]),
         ("fsdp", ["--attention", "flash", "--zero", "3", "--recompute", "selective"]),

@@ -74,7 +74,7 @@ def print_metrics(title: str, rows: list[tuple[str, str]]) -> None:
 
 
 def training_request(
-    model: str, global_batch: int, seq_len: int, precision: str, optimizer: str, attention: str = "flash"
+    model: str, global_batch: int, seq_len: int, precision: str, optimizer: str, attention: str = "flash", master_weights: bool = False
 ) -> TrainingRequest:
     """The workload a command describes, validated as a training request (it names no dataset),
     so that bad values get the same one-line errors as in a flow."""
@@ -86,6 +86,7 @@ def training_request(
         steps=1,
         precision=precision,
         attention=attention,
+        master_weights=master_weights,
         optimizer={"name": optimizer},
     )
 

@@ -22,7 +22,21 @@ class Workload:
     schema: docs/architecture.md, Contracts)."""
 
     def __init__(
-        self, model, dp, tp, pp, micro_batch, global_batch, seq_len, zero, recompute, precision, optimizer, gpu, attention="flash"
+        self,
+        model,
+        dp,
+        tp,
+        pp,
+        micro_batch,
+        global_batch,
+        seq_len,
+        zero,
+        recompute,
+        precision,
+        optimizer,
+        gpu,
+        attention="flash",
+        master_weights=False,
     ):
         from frenzy_prefect.profiling.model import resolve_model
 
@@ -30,7 +44,13 @@ class Workload:
         self.seq_len_default = seq_len is None
         self.plan = ParallelPlan(dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, zero=zero, recompute=recompute)
         self.request = training_request(
-            model, global_batch or self.plan.dp * self.plan.micro_batch, seq_len or self.spec.max_seq_len, precision, optimizer, attention
+            model,
+            global_batch or self.plan.dp * self.plan.micro_batch,
+            seq_len or self.spec.max_seq_len,
+            precision,
+            optimizer,
+            attention,
+            master_weights,
         )
         self.gpu = gpu_type(gpu) if gpu else None  # the plan itself is checked by estimate/measure
         self.framework = "frenzy"
@@ -43,9 +63,11 @@ class Workload:
         return f"seq_len {s} (the model's max_seq_len; set --seq-len)" if self.seq_len_default else f"seq_len {s}"
 
     def header(self) -> str:
+        r = self.request
+        precision = f"{r.precision} weights, fp32 masters" if r.master_weights else r.precision
         return (
-            f"{self.spec.name} ({self.spec.parameters:,} parameters), {self.plan.label()}, {self.request.precision}, "
-            f"{self.request.attention} attention, {self.seq_len_note()}"
+            f"{self.spec.name} ({self.spec.parameters:,} parameters), {self.plan.label()}, {precision}, "
+            f"{r.attention} attention, {self.seq_len_note()}"
         )
 
     def emit(self, per_rank: PerRank, as_json: bool) -> None:
@@ -91,6 +113,11 @@ FRAMEWORK = typer.Option(
     help="Whose execution of the plan: frenzy (this engine), megatron (Megatron-LM) or fsdp (torchtitan FSDP2); measure: frenzy.",
 )
 ATTENTION = typer.Option("flash", "--attention", help="flash (fused, no s^2 scores) or eager (scores materialised).")
+MASTER_WEIGHTS = typer.Option(
+    False,
+    "--master-weights",
+    help="frenzy: bf16/fp16 weights, fp32 main gradients and fp32 master weights in the optimizer (default: fp32 weights under autocast).",
+)
 SEQUENCE_PARALLEL = typer.Option(
     None,
     "--sequence-parallel/--no-sequence-parallel",
@@ -118,10 +145,13 @@ def _memory_command(per_rank: Callable[[Workload], PerRank], doc: str) -> Callab
         as_json: bool = JSON,
         framework: str = FRAMEWORK,
         attention: str = ATTENTION,
+        master_weights: bool = MASTER_WEIGHTS,
         sequence_parallel: bool | None = SEQUENCE_PARALLEL,
         vpp: int | None = VPP,
     ) -> None:
-        w = Workload(model, dp, tp, pp, micro_batch, global_batch, seq_len, zero, recompute, precision, optimizer, gpu, attention)
+        w = Workload(
+            model, dp, tp, pp, micro_batch, global_batch, seq_len, zero, recompute, precision, optimizer, gpu, attention, master_weights
+        )
         _framework(w, framework, sequence_parallel, vpp)
         w.emit(per_rank(w), as_json)
 
@@ -133,6 +163,8 @@ def _framework(w: Workload, framework: str, sequence_parallel: bool | None, vpp:
     """The framework and its options, checked: sequence parallelism and vpp are Megatron's."""
     check_framework(framework)
     w.framework = framework
+    if framework != "frenzy" and w.request.master_weights:
+        raise FrenzyError(f"--master-weights is this engine's choice (--framework frenzy); {framework} keeps its own fp32 masters")
     if framework != "megatron":
         if sequence_parallel is not None or vpp is not None:
             raise FrenzyError(f"--sequence-parallel and --vpp apply to --framework megatron only (got --framework {framework})")
@@ -158,12 +190,16 @@ def _measured(w: Workload) -> PerRank:
         raise FrenzyError(f"measure runs this project's engine: --framework frenzy only (got {w.framework}); estimate takes megatron, fsdp")
     w.measured = True
     r = w.request
-    extra = {"attention": r.attention} if "attention" in Measured.model_fields else {}
-    if not extra and r.attention != "flash":
-        raise FrenzyError("measure runs the engine's flash attention here; --attention eager is not wired into the engine yet")
     ranks = measure(
         Measured(
-            model=w.spec, plan=w.plan, global_batch=r.global_batch, seq_len=r.seq_len, precision=r.precision, optimizer=r.optimizer, **extra
+            model=w.spec,
+            plan=w.plan,
+            global_batch=r.global_batch,
+            seq_len=r.seq_len,
+            precision=r.precision,
+            optimizer=r.optimizer,
+            attention=r.attention,
+            master_weights=r.master_weights,
         )
     )
     return [(m.rank, m.breakdown) for m in ranks]

@@ -20,6 +20,10 @@ def plan(
     cluster: Path = typer.Option(..., "--cluster", help="Cluster file (YAML or JSON)."),
     precision: str = typer.Option("bf16", "--precision", help="fp32, bf16 or fp16."),
     optimizer: str = typer.Option("adamw", "--optimizer", help="adamw, adam or sgd."),
+    attention: str = typer.Option("flash", "--attention", help="flash (fused) or eager attention."),
+    master_weights: bool = typer.Option(
+        False, "--master-weights", help="bf16/fp16 weights, fp32 main gradients and fp32 masters (default: fp32 weights under autocast)."
+    ),
     space: str = typer.Option(
         "engine", "--space", help="engine: plans training runs today (data parallel, recompute); full: tp, pp and ZeRO too."
     ),
@@ -34,7 +38,7 @@ def plan(
     if space not in ("engine", "full"):
         raise FrenzyError(f"--space must be engine or full, not {space!r}")
     spec = resolve_model(model, seq_len=seq_len)
-    request = training_request(model, global_batch, seq_len, precision, optimizer)
+    request = training_request(model, global_batch, seq_len, precision, optimizer, attention, master_weights)
     state = ClusterState.idle(ClusterSpec.from_file(cluster))
     candidates = allocator.candidate_plans(spec, request, state.cluster, space)  # type: ignore[arg-type]
     chosen = allocator.allocate(candidates, state)

@@ -28,7 +28,8 @@ def check_plan(model: ModelSpec, plan: ParallelPlan) -> None:
         raise FrenzyError(f"pp ({plan.pp}) must not exceed the number of layers ({model.layers}); accepted: 1..{model.layers}")
     if plan.zero >= 2 and (plan.tp > 1 or plan.pp > 1):
         raise FrenzyError(
-            f"zero={plan.zero} runs through DeepSpeed here, over data parallelism only; use tp=1 and pp=1, or zero=0 or 1 with tp/pp"
+            f"zero={plan.zero} runs through {'DeepSpeed' if plan.zero == 2 else 'FSDP2'} here, over data parallelism only; "
+            "use tp=1 and pp=1, or zero=0 or 1 with tp/pp"
         )
 
 
