@@ -63,6 +63,7 @@ from frenzy_prefect.spec.gpu import GpuType
 from frenzy_prefect.spec.layout import (
     block_shapes,
     check_plan,
+    deal_out,
     layer_parameters,
     parameter_sizes,
     root_shapes,
@@ -370,9 +371,9 @@ def optimizer_shares(model: ModelSpec, plan: ParallelPlan, stage: int) -> tuple[
     """(elements, largest tensor) each data-parallel rank of ``stage`` updates under ZeRO-1, as
     torch's ZeroRedundancyOptimizer deals whole tensors out: largest first, each to the rank
     holding the fewest elements so far."""
+    sizes = stage_tensor_sizes(model, plan, stage)
     totals, largest = [0] * plan.dp, [0] * plan.dp
-    for n in sorted(stage_tensor_sizes(model, plan, stage), reverse=True):
-        rank = totals.index(min(totals))
+    for n, rank in zip(sizes, deal_out(sizes, plan.dp), strict=True):
         totals[rank] += n
         largest[rank] = max(largest[rank], n)
     return tuple(zip(totals, largest, strict=True))

@@ -157,3 +157,14 @@ def parameter_sizes(model: ModelSpec) -> list[int]:
     final_norm = [h, h] if model.norm == "layernorm" else [h]
     sizes = [V * h, *positions] + block_tensors(model, 1) * model.layers + final_norm
     return sizes + ([] if model.tied_embeddings else [V * h])
+
+
+def deal_out(sizes: list[int], ranks: int) -> list[int]:
+    """The rank each tensor (of ``sizes`` elements) goes to under ZeRO-1, as torch's
+    ZeroRedundancyOptimizer deals them: largest first (ties in order), each to the rank holding the
+    fewest elements so far (ties: the lowest rank)."""
+    owners, totals = [0] * len(sizes), [0] * ranks
+    for i in sorted(range(len(sizes)), key=lambda i: sizes[i], reverse=True):
+        owners[i] = totals.index(min(totals))
+        totals[owners[i]] += sizes[i]
+    return owners

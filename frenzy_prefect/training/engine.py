@@ -19,7 +19,7 @@ optimizer steps fp32 master copies whose ``.grad`` is that main gradient, and th
 copied back into the half weights after the step. The main gradients are all-reduced after the
 backward (not through DDP, whose buckets would hold the half gradients and reduce them in half
 precision). ZeRO-1 (Megatron's distributed optimizer): each replica keeps the masters, and the
-optimizer states, of the whole tensors ZeroRedundancyOptimizer would deal it (``zero1_owners``),
+optimizer states, of the whole tensors ZeroRedundancyOptimizer would deal it (``layout.deal_out``),
 steps them, refreshes its own half weights from them and broadcasts those to the other replicas,
 so every replica's half weights are current (ZeroRedundancyOptimizer itself would need every
 master on every replica, to broadcast them).
@@ -41,7 +41,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from frenzy_prefect.errors import FrenzyError
-from frenzy_prefect.spec.layout import check_plan, padded_vocab, uses_ddp, zero_bucket_elements
+from frenzy_prefect.spec.layout import check_plan, deal_out, padded_vocab, uses_ddp, zero_bucket_elements
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import ParallelPlan
 from frenzy_prefect.spec.request import Attention, OptimizerSettings, Precision, check_master_weights
@@ -94,16 +94,6 @@ def zero_config(spec: ModelSpec, plan: ParallelPlan, accumulation: int, settings
             "contiguous_gradients": True,
         },
     }
-
-
-def zero1_owners(params: list[torch.Tensor], dp: int) -> list[int]:
-    """The data-parallel rank that steps each of ``params`` under ZeRO-1, as torch's
-    ZeroRedundancyOptimizer deals them: largest first, each to the rank holding the fewest elements."""
-    owners, totals = [0] * len(params), [0] * dp
-    for i in sorted(range(len(params)), key=lambda i: params[i].numel(), reverse=True):
-        owners[i] = totals.index(min(totals))
-        totals[owners[i]] += params[i].numel()
-    return owners
 
 
 def half_weights(params: list[torch.nn.Parameter], dtype: torch.dtype, keep: list[bool]) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
@@ -211,7 +201,7 @@ class Engine:
         # Master weights outside FSDP: half weights with fp32 main gradients (``main_grad``), and
         # (parameter, fp32 master) for the parameters this rank steps (ZeRO-1: its share).
         self.main_grads = master_weights and plan.zero != 3
-        self.owners = zero1_owners(params, plan.dp) if self.main_grads and sharded else None
+        self.owners = deal_out([p.numel() for p in params], plan.dp) if self.main_grads and sharded else None
         self.masters: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         if self.main_grads:
             mine = dist.get_rank(sharded) if self.owners else None
