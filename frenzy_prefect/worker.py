@@ -257,7 +257,7 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, Any, FrenzyWorkerResult]):
         stopped_here = cancelled.is_set() or (hold is not None and hold.lost.is_set())
         if code != 0 and group.failure and not stopped_here:  # name the rank, its node and the signal
             logger.error(group.failure)
-            await crash_naming_the_cause(self.client, flow_run.id, group.failure)
+            await crash_naming_the_cause(self.client, flow_run.id, group.failure, failed_rank=group.failed_rank)
         if code == SSH_UNREACHABLE and configuration.launcher == "ssh":
             logger.error(
                 f"ssh to {group.failed_host} failed (exit {code}): the host is unreachable, refused the key, or its host key "

@@ -249,6 +249,34 @@ def test_a_worker_killed_with_9_leaves_no_rank_running_and_its_restart_reclaims_
     assert free_now(stack) == {"a10-node": [0, 1], "t4-node": [0, 1]}  # reclaimed, not left to expire
 
 
+def test_a_failed_run_is_named_crashed_only_when_another_rank_failed_first(stack, prefect_api):
+    """Rank 0's collective may notice a dead peer before torchrun stops it, failing the run with
+    the transport's error: the worker then names the rank that died. A run whose rank 0 failed
+    first keeps its own exception."""
+    from prefect import flow
+    from prefect.states import Failed
+
+    from frenzy_prefect.crash import crash_naming_the_cause
+
+    @flow
+    def training():
+        pass
+
+    async def scenario():
+        async with get_client() as client:
+            states = []
+            for rank in (1, 0):
+                run = await client.create_flow_run(training, state=Failed(message="RuntimeError: gloo: Connection closed by peer"))
+                await crash_naming_the_cause(client, run.id, f"rank {rank} on a10-node (pid 7) was killed by SIGKILL", failed_rank=rank)
+                states.append((await client.read_flow_run(run.id)).state)
+            return states
+
+    with stack.client_settings():
+        other, own = asyncio.run(scenario())
+    assert other.is_crashed() and other.message == "rank 1 on a10-node (pid 7) was killed by SIGKILL", other
+    assert own.is_failed() and "Connection closed by peer" in own.message, own
+
+
 @pytest.mark.faults
 def test_a_rank_killed_with_9_crashes_the_run_naming_the_rank_node_and_signal(stack, worker_pool, dataset):
     """Rank 1 of a two-rank run is killed with -9 mid-training: torchrun stops rank 0 (which

@@ -122,7 +122,7 @@ def test_a_rank_killed_with_sigkill_is_named_with_its_node_and_signal(dataset):
 
     code, victim, group = asyncio.run(scenario())
     assert code != 0 and not any(is_running(p) for p in group.pids)
-    assert group.failure == f"rank 1 on n0 (pid {victim}) was killed by SIGKILL"
+    assert group.failure == f"rank 1 on n0 (pid {victim}) was killed by SIGKILL" and group.failed_rank == 1
 
 
 def test_a_command_without_ranks_is_named_by_its_node_and_pid():

@@ -96,6 +96,7 @@ class ProcessGroup:
         self.hosts = [l.host for l in self.launches]
         self.failed_host: str | None = None  # where the first failure happened
         self.failure: str | None = None  # the first failure in one line: which rank on which node, which signal or exit code
+        self.failed_rank: int | None = None  # the rank that failed first, when its command said
         self.rendezvous_port = rendezvous_port  # the port given to the launches' port_env, picked on the first one's host
         self._accounts = accounts
         self.readers = readers or []  # tasks reading the processes' output, kept alive with them
@@ -145,6 +146,8 @@ class ProcessGroup:
             except asyncio.TimeoutError:
                 pass
         launch = self.launches[i]
+        if report is not None and isinstance(report.get("rank"), int):
+            self.failed_rank = report["rank"]
         return describe(launch.node or launch.host, report or {"pid": self.processes[i].pid, "exitcode": code})
 
 
