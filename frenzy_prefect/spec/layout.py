@@ -82,13 +82,25 @@ def block_shapes(model: ModelSpec, tp: int) -> list[tuple[int, int]]:
     return [*norm, *attention, *norm, (mlp_in, h), *([(mlp_in, 1)] if m.mlp_bias else []), (h, f // tp), *([(h, 1)] if m.mlp_bias else [])]
 
 
+def embedding_shapes(model: ModelSpec, tp: int = 1) -> list[tuple[int, int]]:
+    """(rows, columns) of what the first stage holds before the blocks: the token embedding (the
+    rank's vocabulary slice) and the learned positions, if any (replicated over tp)."""
+    h = model.hidden
+    return [(vocab_rows(model, tp), h), *([(model.max_seq_len, h)] if model.position == "learned" else [])]
+
+
+def head_shapes(model: ModelSpec, tp: int = 1, *, own_head: bool) -> list[tuple[int, int]]:
+    """(rows, columns) of what the last stage holds after the blocks: the final norm and, with
+    ``own_head`` (untied, or a tied embedding's copy on a later stage), the head's vocabulary slice."""
+    h = model.hidden
+    final_norm = [(h, 1), (h, 1)] if model.norm == "layernorm" else [(h, 1)]
+    return final_norm + ([(vocab_rows(model, tp), h)] if own_head else [])
+
+
 def root_shapes(model: ModelSpec, tp: int = 1) -> list[tuple[int, int]]:
     """(rows, columns) of the parameters outside the blocks on one tensor-parallel rank, in module
     order: token embedding (its vocabulary slice), learned positions, final norm, untied head (its slice)."""
-    h, V = model.hidden, vocab_rows(model, tp)
-    positions = [(model.max_seq_len, h)] if model.position == "learned" else []
-    final_norm = [(h, 1), (h, 1)] if model.norm == "layernorm" else [(h, 1)]
-    return [(V, h), *positions, *final_norm, *([] if model.tied_embeddings else [(V, h)])]
+    return embedding_shapes(model, tp) + head_shapes(model, tp, own_head=not model.tied_embeddings)
 
 
 def block_tensors(model: ModelSpec, tp: int) -> list[int]:
@@ -103,31 +115,30 @@ def layer_parameters(model: ModelSpec, tp: int) -> tuple[int, int]:
     return total, total - 2 * model.norm_parameters
 
 
-def stage_tensor_sizes(model: ModelSpec, plan: ParallelPlan, stage: int) -> list[int]:
+def stage_tensor_sizes(model: ModelSpec, plan: ParallelPlan, stage: int) -> tuple[int, ...]:
     """Elements of every parameter tensor on a rank of a stage (tp rank 0): its layers, the
     embeddings on the first stage, the final norm and head on the last (a separate copy of a tied
     embedding when the stages differ). The token embedding and the head hold the rank's
     vocabulary slice (``vocab_rows``); learned positions and norms are replicated over tp."""
-    h, V = model.hidden, vocab_rows(model, plan.tp)
-    sizes = block_tensors(model, plan.tp) * stage_layer_counts(model.layers, plan.pp)[stage]
-    if stage == 0:
-        sizes += [V * h] + ([model.max_seq_len * h] if model.position == "learned" else [])
-    if stage == plan.pp - 1:
-        sizes += [h, h] if model.norm == "layernorm" else [h]
-        if not model.tied_embeddings or plan.pp > 1:
-            sizes.append(V * h)
-    return sizes
+    return _stage_tensor_sizes(model, plan.tp, plan.pp, stage)
+
+
+@lru_cache(maxsize=4096)
+def _stage_tensor_sizes(model: ModelSpec, tp: int, pp: int, stage: int) -> tuple[int, ...]:
+    shapes = embedding_shapes(model, tp) if stage == 0 else []
+    if stage == pp - 1:
+        shapes += head_shapes(model, tp, own_head=not model.tied_embeddings or pp > 1)
+    return tuple(block_tensors(model, tp) * stage_layer_counts(model.layers, pp)[stage] + [r * c for r, c in shapes])
 
 
 def stage_parameters(model: ModelSpec, plan: ParallelPlan, stage: int) -> int:
     """Parameters on a rank of a stage (``stage_tensor_sizes``)."""
-    h, V = model.hidden, vocab_rows(model, plan.tp)
-    n = stage_layer_counts(model.layers, plan.pp)[stage] * layer_parameters(model, plan.tp)[0]
-    if stage == 0:
-        n += (V + (model.max_seq_len if model.position == "learned" else 0)) * h
-    if stage == plan.pp - 1:
-        n += model.norm_parameters + (V * h if not model.tied_embeddings or plan.pp > 1 else 0)
-    return n
+    return _stage_parameters(model, plan.tp, plan.pp, stage)
+
+
+@lru_cache(maxsize=4096)
+def _stage_parameters(model: ModelSpec, tp: int, pp: int, stage: int) -> int:
+    return sum(_stage_tensor_sizes(model, tp, pp, stage))
 
 
 def largest_tensor(model: ModelSpec, plan: ParallelPlan, stage: int) -> int:
@@ -152,11 +163,9 @@ def zero_bucket_elements(model: ModelSpec) -> int:
 def parameter_sizes(model: ModelSpec) -> list[int]:
     """Elements of every parameter tensor of the whole model, in ``Decoder.parameters()`` order (the
     order DeepSpeed flattens and partitions them in)."""
-    h, V = model.hidden, model.padded_vocab
-    positions = [model.max_seq_len * h] if model.position == "learned" else []
-    final_norm = [h, h] if model.norm == "layernorm" else [h]
-    sizes = [V * h, *positions] + block_tensors(model, 1) * model.layers + final_norm
-    return sizes + ([] if model.tied_embeddings else [V * h])
+    outside = [r * c for r, c in root_shapes(model)]
+    before = len(embedding_shapes(model))
+    return outside[:before] + block_tensors(model, 1) * model.layers + outside[before:]
 
 
 def deal_out(sizes: list[int], ranks: int) -> list[int]:
