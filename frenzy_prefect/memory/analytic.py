@@ -466,10 +466,10 @@ def fully_sharded_peak(
       keeps its shards of the weights, of the gradients (persistent, reduced into after every
       micro-batch) and of the optimizer states;
     - the root (embeddings, final norm, head) is gathered from the forward to the end of the
-      backward; each block is gathered for its forward, and again for its backward, where the
-      next block's gathering is prefetched (two blocks at once);
+      backward; each block is gathered for its forward and again for its backward;
     - the root's gradients (the head's first) stay unsharded until the backward ends; a block's
-      until its backward ends, when they are copied into a reduce-scatter buffer of their size.
+      until its backward ends, when they are copied into a reduce-scatter buffer and the next
+      block is gathered (measured: one block at a time in a block's backward, two around the loss).
 
     With master weights (FSDP2's ``MixedPrecisionPolicy``) the fp32 shards are the masters and
     the weights are gathered, and their unsharded gradients made, in ``gathered_bytes`` (bf16/fp16);
