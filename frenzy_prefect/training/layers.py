@@ -73,10 +73,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     """torch's fused SDPA: keeps q, k, v, its output and the log-sum-exp, never the scores. With
     fewer key/value heads it is told so (``enable_gqa``) rather than given expanded copies, so
     K and V stay kv_heads wide. (On CPU, dropout makes SDPA fall back to its math kernel.)"""
-    gqa = k.shape[1] != q.shape[1]
-    if gqa:
-        return F.scaled_dot_product_attention(q, k, v, None, dropout_p, True, enable_gqa=True)
-    return F.scaled_dot_product_attention(q, k, v, None, dropout_p, True)
+    return F.scaled_dot_product_attention(q, k, v, None, dropout_p, True, enable_gqa=k.shape[1] != q.shape[1])
 
 
 def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, mask: torch.Tensor | None) -> torch.Tensor:

@@ -16,6 +16,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 
+def _in_slice(ids: torch.Tensor, rank: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids local to ``rank``'s vocabulary slice of ``rows`` rows, 0 where outside; the bool mask
+    of the ids other ranks hold)."""
+    outside = (ids < rank * rows) | (ids >= (rank + 1) * rows)
+    return (ids - rank * rows).masked_fill_(outside, 0), outside
+
+
 class _Enter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -40,8 +47,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         peak = logits.max(dim=-1).values
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=tp.group)
         shifted = logits - peak.unsqueeze(-1)
-        outside = (targets < tp.rank * rows) | (targets >= (tp.rank + 1) * rows)
-        local = (targets - tp.rank * rows).masked_fill_(outside, 0)
+        local, outside = _in_slice(targets, tp.rank, rows)
         target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill_(outside, 0.0)
         dist.all_reduce(target_logit, group=tp.group)
         softmax = shifted.exp_()
@@ -91,9 +97,8 @@ class TensorParallel:
         the tokens other ranks hold, summed over the group: every rank gets every token's embedding."""
         if self.size == 1:
             return F.embedding(ids, weight)
-        rows = weight.shape[0]
-        outside = (ids < self.rank * rows) | (ids >= (self.rank + 1) * rows)
-        out = F.embedding((ids - self.rank * rows).masked_fill_(outside, 0), weight)
+        local, outside = _in_slice(ids, self.rank, weight.shape[0])
+        out = F.embedding(local, weight)
         return self.leave(out.masked_fill_(outside.unsqueeze(-1), 0.0))
 
     def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
