@@ -17,13 +17,7 @@ from frenzy_prefect.spec.plan import ParallelPlan
 
 def check_plan(model: ModelSpec, plan: ParallelPlan) -> None:
     """Reject plans the model cannot be split into, naming the accepted values."""
-    t = plan.tp
-    if not tp_splits(model, t):
-        ok = [d for d in range(1, model.heads + 1) if tp_splits(model, d)]
-        raise FrenzyError(
-            f"tp ({t}) must divide heads ({model.heads}), kv_heads ({model.kv_heads}), hidden ({model.hidden}) and "
-            f"ffn_hidden ({model.ffn_hidden}); accepted: {ok}"
-        )
+    check_tp(model, plan.tp)
     if plan.pp > model.layers:
         raise FrenzyError(f"pp ({plan.pp}) must not exceed the number of layers ({model.layers}); accepted: 1..{model.layers}")
     if plan.zero >= 2 and (plan.tp > 1 or plan.pp > 1):
@@ -37,6 +31,16 @@ def tp_splits(model: ModelSpec, tp: int) -> bool:
     """Whether Megatron-style tensor parallelism over ``tp`` ranks splits the model evenly: whole
     query heads and key/value heads, and the MLP, on every rank."""
     return not (model.heads % tp or model.kv_heads % tp or model.hidden % tp or model.ffn_hidden % tp)
+
+
+def check_tp(model: ModelSpec, tp: int) -> None:
+    """Reject a tensor-parallel degree that does not split the model evenly, naming the accepted ones."""
+    if not tp_splits(model, tp):
+        ok = [d for d in range(1, model.heads + 1) if tp_splits(model, d)]
+        raise FrenzyError(
+            f"tp ({tp}) must divide heads ({model.heads}), kv_heads ({model.kv_heads}), hidden ({model.hidden}) and "
+            f"ffn_hidden ({model.ffn_hidden}); accepted: {ok}"
+        )
 
 
 def padded_vocab(model: ModelSpec, tp: int) -> int:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from frenzy_prefect.errors import FrenzyError
-from frenzy_prefect.spec.layout import tp_splits
+from frenzy_prefect.spec.layout import check_tp
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import MemoryBreakdown, MemoryEstimate, ParallelPlan
 from frenzy_prefect.spec.request import Attention, Precision
@@ -61,11 +61,7 @@ def _check(model: ModelSpec, plan: ParallelPlan, precision: Precision) -> None:
         )
     if precision != "bf16":
         raise FrenzyError(f"fsdp models torchtitan's bf16 mixed precision (fp32 master, bf16 compute); got precision={precision}")
-    if not tp_splits(model, plan.tp):
-        raise FrenzyError(
-            f"tp ({plan.tp}) must divide heads ({model.heads}), kv_heads ({model.kv_heads}), hidden ({model.hidden}) "
-            f"and ffn_hidden ({model.ffn_hidden})"
-        )
+    check_tp(model, plan.tp)
 
 
 def layer_bytes_per_token(model: ModelSpec, recompute: str, attention: Attention, seq_len: int) -> tuple[int, int]:

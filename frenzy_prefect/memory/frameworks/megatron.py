@@ -50,7 +50,7 @@ import math
 from dataclasses import dataclass
 
 from frenzy_prefect.errors import FrenzyError
-from frenzy_prefect.spec.layout import layer_parameters, tp_splits
+from frenzy_prefect.spec.layout import check_tp, layer_parameters
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import MemoryBreakdown, MemoryEstimate, ParallelPlan
 from frenzy_prefect.spec.request import Attention, Precision
@@ -205,11 +205,7 @@ def in_flight(plan: ParallelPlan, stage: int, micro_batches: int, options: Megat
 def _check(model: ModelSpec, plan: ParallelPlan, options: MegatronOptions, micro_batches: int) -> None:
     if plan.zero > 1:
         raise FrenzyError(f"megatron models zero=0 (DDP) and zero=1 (its distributed optimizer), with any tp/pp; got zero={plan.zero}")
-    if not tp_splits(model, plan.tp):
-        raise FrenzyError(
-            f"tp ({plan.tp}) must divide heads ({model.heads}), kv_heads ({model.kv_heads}), hidden ({model.hidden}) "
-            f"and ffn_hidden ({model.ffn_hidden})"
-        )
+    check_tp(model, plan.tp)
     v = options.vpp or 1
     if v > 1 and (plan.pp < 2 or model.layers % (plan.pp * v)):
         raise FrenzyError(f"vpp={v} needs pp >= 2 and layers ({model.layers}) divisible by pp * vpp ({plan.pp * v})")
