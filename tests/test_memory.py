@@ -14,7 +14,7 @@ from frenzy_prefect.memory.analytic import optimizer_shares
 from frenzy_prefect.memory.calibration import PACKAGED, UNKNOWN, Calibration, GpuConstants, fit
 from frenzy_prefect.profiling.model import PRESETS
 from frenzy_prefect.spec.catalog import GPU_CATALOG
-from frenzy_prefect.spec.layout import parameter_sizes, stage_parameters, uses_ddp
+from frenzy_prefect.spec.layout import largest_tensor, parameter_sizes, stage_parameters, uses_ddp
 from frenzy_prefect.spec.plan import ParallelPlan
 from frenzy_prefect.spec.request import OptimizerSettings, TrainingRequest
 from frenzy_prefect.training.decoder import Decoder
@@ -284,6 +284,10 @@ def test_zero1_shares_every_stage_tensor_once_over_data_parallel_ranks(plan):
         shares = optimizer_shares(model, plan, stage)
         assert len(shares) == plan.dp
         assert sum(owned for owned, _ in shares) == stage_parameters(model, plan, stage)
+        # Dealt largest first to the emptiest rank: no two shares differ by more than the largest tensor.
+        owned = [n for n, _ in shares]
+        assert max(owned) - min(owned) <= largest_tensor(model, plan, stage)
+        assert all(biggest <= n for n, biggest in shares)
 
 
 @settings(max_examples=60, deadline=None)
