@@ -82,6 +82,8 @@ GRID: list[tuple] = [
     (NANO, {"dp": 2, "tp": 2}, "bf16", 8, 128, "adamw"),
     (NANO, {"dp": 2, "pp": 2, "zero": 1}, "bf16", 8, 128, "adamw"),
     (MICRO, {"dp": 2, "tp": 2, "zero": 1}, "fp32", 4, 256, "adamw"),
+    (NANO, {"dp": 2, "tp": 2, "zero": 2}, "bf16", 8, 128, "adamw"),
+    (LLAMA_NANO, {"dp": 2, "tp": 2, "zero": 2}, "fp32", 8, 128, "adamw"),
     # The Llama family: RMSNorm, RoPE, grouped-query attention, SwiGLU, no biases.
     (LLAMA_NANO, {}, "fp32", 4, 128, "adamw"),
     (LLAMA_NANO, {}, "bf16", 4, 128, "adamw"),

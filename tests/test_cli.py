@@ -109,7 +109,7 @@ def test_plan_json_chooses_a_placement_on_the_example_cluster():
         (["estimate", "gpt2-small", "--zero", "4"], "zero: Input should be 0, 1, 2 or 3 (got 4)"),
         (
             ["estimate", "gpt2-small", "--zero", "2", "--pp", "2"],
-            "zero=2 runs through DeepSpeed here, over data parallelism only; use tp=1 and pp=1, or zero=0 or 1 with tp/pp",
+            "zero=2 runs through DeepSpeed, which refuses it with pipelines; use pp=1, or zero 0 or 1 with pp=2",
         ),
         (
             ["measure", "gpt-nano", "--tp", "3"],
@@ -118,7 +118,10 @@ def test_plan_json_chooses_a_placement_on_the_example_cluster():
         (["estimate", "gpt2-small", "--framework", "fsdp", "--dp", "2"], "fsdp models torchtitan's FSDP2: zero=3 with pp=1"),
         (["estimate", "gpt2-small", "--framework", "megatron", "--zero", "3"], "megatron models zero=0 (DDP) and zero=1"),
         (["estimate", "gpt2-small", "--framework", "jax"], "unknown framework 'jax'; supported: frenzy, megatron, fsdp"),
-        (["estimate", "gpt2-small", "--vpp", "2"], "--sequence-parallel and --vpp apply to --framework megatron only"),
+        (
+            ["estimate", "gpt2-small", "--vpp", "2"],
+            "--sequence-parallel, --vpp and --cross-entropy-fusion apply to --framework megatron only",
+        ),
         (["measure", "gpt-nano", "--framework", "megatron"], "measure runs this project's engine: --framework frenzy only"),
         (
             ["estimate", "llama-micro", "--master-weights", "--framework", "megatron"],

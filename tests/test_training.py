@@ -181,6 +181,7 @@ def _losses_of(rank: int, world: int, port: int, plan: ParallelPlan, out, knobs:
     from frenzy_prefect.training.engine import Engine
 
     torch.set_num_threads(1)
+    os.environ["LOCAL_RANK"] = str(rank)  # as torchrun sets it (DeepSpeed reads it)
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
     engine = Engine(NANO, plan, optimizer=OptimizerSettings(lr=3e-3), accumulation=2, rank=rank, **{"precision": "fp32"} | knobs)
     stage, replica, tp_rank = plan.coordinates(rank)
@@ -208,14 +209,20 @@ def _replica0_losses(plan: ParallelPlan, **knobs) -> list[float]:
 
 @pytest.mark.parametrize(
     "plan",
-    [ParallelPlan(dp=2, micro_batch=2, zero=1), ParallelPlan(dp=2, pp=2, micro_batch=2, zero=1), ParallelPlan(dp=2, micro_batch=2, zero=3)],
+    [
+        ParallelPlan(dp=2, micro_batch=2, zero=1),
+        ParallelPlan(dp=2, pp=2, micro_batch=2, zero=1),
+        ParallelPlan(dp=2, tp=2, micro_batch=2, zero=2),
+        ParallelPlan(dp=2, micro_batch=2, zero=3),
+    ],
     ids=lambda p: p.label(),
 )
 def test_sharded_plans_train_the_same_model_as_plain_data_parallelism(plan):
     # The replicas see different micro-batches, so the second and third steps' losses agree only
     # if the gradients were averaged over replicas and every shard updated as DDP updates the
-    # whole: ZeroRedundancyOptimizer's shards and FSDP2's gathered blocks change where tensors
-    # live, never the arithmetic.
+    # whole: ZeroRedundancyOptimizer's shards, DeepSpeed's partitions (over the dp group its
+    # model-parallel unit names, beside tp) and FSDP2's gathered blocks change where tensors live,
+    # never the arithmetic.
     expected = _replica0_losses(ParallelPlan(dp=2, micro_batch=plan.micro_batch))
     assert _replica0_losses(plan) == pytest.approx(expected, abs=1e-5)
 

@@ -53,7 +53,7 @@ def engine_plans(global_batch: int, max_gpus: int) -> Iterator[ParallelPlan]:
 def plan_space(model: ModelSpec, global_batch: int, max_gpus: int, node_gpus: int) -> Iterator[ParallelPlan]:
     """Every plan the memory model covers, within ``max_gpus``: tensor parallelism inside one
     node (splitting heads, key/value heads, hidden and ffn evenly), pipeline depths in powers of two, ZeRO-1 with any of
-    them and ZeRO 2-3 over data parallelism alone, and each recomputation mode."""
+    them, ZeRO-2 without pipelines, ZeRO-3 over data parallelism alone, and each recomputation mode."""
     tps = [t for t in _divisors(min(node_gpus, model.heads)) if tp_splits(model, t)]
     pps = [1 << k for k in range(model.layers.bit_length()) if 1 << k <= model.layers]
     for dp in _divisors(global_batch):
@@ -61,7 +61,7 @@ def plan_space(model: ModelSpec, global_batch: int, max_gpus: int, node_gpus: in
             for pp in pps:
                 if dp * tp * pp > max_gpus:
                     break
-                zeros = ((0, 1, 2, 3) if tp == pp == 1 else (0, 1)) if dp > 1 else (0,)
+                zeros = ((0, 1, 2, 3) if tp == pp == 1 else (0, 1, 2) if pp == 1 else (0, 1)) if dp > 1 else (0,)
                 for micro_batch in _divisors(global_batch // dp):
                     for zero in zeros:
                         for recompute in ("none", "selective", "full"):

@@ -62,8 +62,10 @@ from frenzy_prefect.memory.calibration import Calibration, GpuConstants, default
 from frenzy_prefect.spec.gpu import GpuType
 from frenzy_prefect.spec.layout import (
     block_shapes,
+    block_tensors,
     check_plan,
     deal_out,
+    head_shapes,
     layer_parameters,
     parameter_sizes,
     root_shapes,
@@ -108,12 +110,13 @@ class ZeroLayout(NamedTuple):
 
 
 @lru_cache(maxsize=4096)
-def zero_layout(model: ModelSpec, dp: int) -> ZeroLayout:
-    sizes = parameter_sizes(model)
+def zero_layout(model: ModelSpec, dp: int, tp: int = 1) -> ZeroLayout:
+    sizes = parameter_sizes(model, tp)
     n = sum(sizes)
     padded = math.ceil(n / (2 * dp)) * 2 * dp
     part = padded // dp
-    tail = model.head_parameters + model.layer_parameters  # reduced by the end of the last block's backward
+    # reduced by the end of the last block's backward: the last block, the final norm and the head
+    tail = sum(block_tensors(model, tp)) + sum(r * c for r, c in head_shapes(model, tp, own_head=not model.tied_embeddings))
     overlaps = [(partition_overlap(sizes, part, rank), (rank + 1) * part > n - tail) for rank in range(dp)]
     return ZeroLayout(
         total=n,
@@ -516,7 +519,7 @@ def _zero2_peak(
     model: ModelSpec, plan: ParallelPlan, moments: Moments, micro_batches: int, optimizer_bytes_per_param: int, on_gpu: bool
 ) -> Breakdown:
     """(params, grads, optimizer, saved, transient) at the peak of the worst data-parallel rank
-    under DeepSpeed's ZeRO-2 (tp = pp = 1, fp32 weights), as DeepSpeed 0.19 allocates:
+    under DeepSpeed's ZeRO-2 (pp = 1, fp32 weights; with tp, the tp rank's shard), as DeepSpeed 0.19 allocates:
 
     - it flattens the weights (padded to a multiple of 2 * dp); each rank owns a slice of P
       elements with an fp32 master copy and the optimizer states. Gradients reduce through one
@@ -526,7 +529,7 @@ def _zero2_peak(
       micro-batch's forward on).
     - the step: the slice's gradient norm in float64, its gradient flattened, Adam's temporaries.
     """
-    layout, bucket = zero_layout(model, plan.dp), FP32 * zero_bucket_elements(model)
+    layout, bucket = zero_layout(model, plan.dp, plan.tp), FP32 * zero_bucket_elements(model)
     block, embedding, ids = moments.block, moments.embedding, moments.ids
     worst: Breakdown = (0, 0, 0, 0, 0)
     padded, part = layout.padded, layout.part

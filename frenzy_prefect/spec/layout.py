@@ -20,11 +20,10 @@ def check_plan(model: ModelSpec, plan: ParallelPlan) -> None:
     check_tp(model, plan.tp)
     if plan.pp > model.layers:
         raise FrenzyError(f"pp ({plan.pp}) must not exceed the number of layers ({model.layers}); accepted: 1..{model.layers}")
-    if plan.zero >= 2 and (plan.tp > 1 or plan.pp > 1):
-        raise FrenzyError(
-            f"zero={plan.zero} runs through {'DeepSpeed' if plan.zero == 2 else 'FSDP2'} here, over data parallelism only; "
-            "use tp=1 and pp=1, or zero=0 or 1 with tp/pp"
-        )
+    if plan.zero == 2 and plan.pp > 1:  # DeepSpeed's own rule (runtime/pipe/engine.py)
+        raise FrenzyError(f"zero=2 runs through DeepSpeed, which refuses it with pipelines; use pp=1, or zero 0 or 1 with pp={plan.pp}")
+    if plan.zero == 3 and (plan.tp > 1 or plan.pp > 1):
+        raise FrenzyError("zero=3 runs through FSDP2 here, over data parallelism only; use tp=1 and pp=1, or zero=0 or 1 with tp/pp")
 
 
 def tp_splits(model: ModelSpec, tp: int) -> bool:
@@ -164,12 +163,12 @@ def zero_bucket_elements(model: ModelSpec) -> int:
     return model.hidden**2
 
 
-def parameter_sizes(model: ModelSpec) -> list[int]:
-    """Elements of every parameter tensor of the whole model, in ``Decoder.parameters()`` order (the
-    order DeepSpeed flattens and partitions them in)."""
-    outside = [r * c for r, c in root_shapes(model)]
-    before = len(embedding_shapes(model))
-    return outside[:before] + block_tensors(model, 1) * model.layers + outside[before:]
+def parameter_sizes(model: ModelSpec, tp: int = 1) -> list[int]:
+    """Elements of every parameter tensor of the whole model (on tensor-parallel rank 0), in
+    ``Decoder.parameters()`` order (the order DeepSpeed flattens and partitions them in)."""
+    outside = [r * c for r, c in root_shapes(model, tp)]
+    before = len(embedding_shapes(model, tp))
+    return outside[:before] + block_tensors(model, tp) * model.layers + outside[before:]
 
 
 def deal_out(sizes: list[int], ranks: int) -> list[int]:

@@ -8,7 +8,8 @@
 - ZeRO 1 (with any tp and pp): the same, with torch's ZeroRedundancyOptimizer over the data-parallel
   group: each replica keeps the optimizer states of its share of whole tensors and broadcasts
   what it updated (Megatron's distributed optimizer, over fp32 weights).
-- ZeRO 2: DeepSpeed's engine over ``dp`` ranks (no tp or pp), with the same model.
+- ZeRO 2: DeepSpeed's engine over ``dp`` ranks, with the same model, with tp (no pp: DeepSpeed
+  refuses ZeRO-2 with pipelines) (``deepspeed_zero.py``).
 - ZeRO 3: torch's FSDP2 over ``dp`` ranks (no tp or pp), one block gathered at a time
   (``fully_sharded.py``).
 Bf16 and fp16 use torch autocast over fp32 weights in every path, so activations are alike, unless
@@ -29,8 +30,6 @@ ZeRO-3 uses FSDP2's own mixed precision (its sharded fp32 parameters are the mas
 
 from __future__ import annotations
 
-import importlib
-import logging
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -41,11 +40,12 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from frenzy_prefect.errors import FrenzyError
-from frenzy_prefect.spec.layout import check_plan, deal_out, padded_vocab, uses_ddp, zero_bucket_elements
+from frenzy_prefect.spec.layout import check_plan, deal_out, padded_vocab, uses_ddp
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import ParallelPlan
 from frenzy_prefect.spec.request import Attention, OptimizerSettings, Precision, check_master_weights
 from frenzy_prefect.training.decoder import Decoder, is_tp_sharded, shard_state
+from frenzy_prefect.training.deepspeed_zero import ModelParallelUnit, start_zero2, zero_config
 from frenzy_prefect.training.fully_sharded import clip_sharded_gradients, shard_fully
 from frenzy_prefect.training.tensor_parallel import TensorParallel
 
@@ -75,25 +75,6 @@ def make_optimizer(params: list[torch.nn.Parameter], settings: OptimizerSettings
     if shard_over is None:
         return cls(params, **kwargs)
     return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=shard_over, **kwargs)
-
-
-def zero_config(spec: ModelSpec, plan: ParallelPlan, accumulation: int, settings: OptimizerSettings) -> dict:
-    bucket = zero_bucket_elements(spec)
-    return {
-        "train_micro_batch_size_per_gpu": plan.micro_batch,
-        "gradient_accumulation_steps": accumulation,
-        "gradient_clipping": settings.grad_clip,
-        "steps_per_print": 2**31 - 1,
-        "zero_optimization": {
-            "stage": plan.zero,
-            "reduce_bucket_size": bucket,
-            "allgather_bucket_size": bucket,
-            "stage3_prefetch_bucket_size": bucket,
-            "stage3_param_persistence_threshold": 0,
-            "overlap_comm": False,
-            "contiguous_gradients": True,
-        },
-    }
 
 
 def half_weights(params: list[torch.nn.Parameter], dtype: torch.dtype, keep: list[bool]) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
@@ -222,7 +203,11 @@ class Engine:
             self.optimizer = make_optimizer(params, optimizer, sharded)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor)
         self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-        self.deepspeed = self._start_zero(accumulation) if plan.zero == 2 else None
+        self.deepspeed = None
+        if plan.zero == 2:
+            mpu = ModelParallelUnit(self.groups.tp, self.groups.dp) if plan.tp > 1 else None
+            config = zero_config(spec, plan, accumulation, optimizer)
+            self.deepspeed = start_zero2(self.model, self.optimizer, self.schedule, config, mpu)
 
     def _grad(self, p: torch.nn.Parameter) -> torch.Tensor:
         """The gradient the optimizer reads: the fp32 main gradient with master weights."""
@@ -243,22 +228,6 @@ class Engine:
             params = [p for p in self.model.parameters() if p.requires_grad]
             for p, owner in zip(params, self.owners, strict=True):
                 dist.broadcast(p, dist.get_global_rank(self.groups.dp, owner), group=self.groups.dp)
-
-    def _start_zero(self, accumulation: int):
-        """Hand model, optimizer and schedule to DeepSpeed's ZeRO engine (its optimizer wraps ours)."""
-        import deepspeed
-
-        # Skip compiling DeepSpeed's shared-memory comm op (minutes on CPU; gloo is used instead).
-        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-        deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False)
-        engine, _, _, _ = deepspeed.initialize(
-            model=self.model,
-            optimizer=self.optimizer,
-            lr_scheduler=self.schedule,
-            config=zero_config(self.spec, self.plan, accumulation, self.settings),
-        )
-        return engine
 
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
