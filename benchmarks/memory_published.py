@@ -81,6 +81,7 @@ def options_of(point: dict) -> MegatronOptions | FsdpOptions | None:
             masked_softmax_fusion="--no-masked-softmax-fusion" not in other,
             first_stage_layers=_flag(other, "decoder-first-pipeline-num-layers"),
             last_stage_layers=_flag(other, "decoder-last-pipeline-num-layers"),
+            cross_entropy_fusion="--cross-entropy-loss-fusion" in other,
         )
     if point["framework"] == "fsdp":
         return FsdpOptions(reduce_dtype="bf16" if "reduce bf16" in other else "fp32")

@@ -53,6 +53,14 @@ def test_megatron_interleaving_holds_more_on_the_last_stage_than_plain_1f1b():
     assert inter > plain  # 9 one-layer chunks in flight against 3 layers of one micro-batch
 
 
+def test_megatron_fused_cross_entropy_keeps_one_more_fp32_copy_of_the_last_stages_logits():
+    # The compiled backward clones the saved fp32 softmax (4 bytes per logit of the tp rank's
+    # vocabulary slice); the last stage's peak is the loss backward when the logits are this large.
+    plan = ParallelPlan(dp=2, tp=2, pp=2, micro_batch=4)
+    plain, fused = (_run("megatron", plan, options=MegatronOptions(cross_entropy_fusion=f)).per_stage[-1].total for f in (False, True))
+    assert fused - plain == 4 * 1024 * 4 * mg.padded_vocab(GPT, 2) // 2
+
+
 def test_fsdp_states_of_llama_are_16_bytes_per_parameter_over_dp_at_the_step():
     plan = ParallelPlan(dp=8, micro_batch=1, zero=3, recompute="full")
     b = _run("fsdp", plan, model=LLAMA, seq_len=512).per_stage[0]

@@ -124,6 +124,11 @@ SEQUENCE_PARALLEL = typer.Option(
     help="megatron: Megatron's sequence parallelism (default: on when tp > 1, as Megatron runs are usually launched).",
 )
 VPP = typer.Option(None, "--vpp", help="megatron: model chunks per pipeline rank (interleaved 1F1B); default: plain 1F1B.")
+CE_FUSION = typer.Option(
+    False,
+    "--cross-entropy-fusion",
+    help="megatron: --cross-entropy-loss-fusion (its torch.compile'd backward keeps an fp32 copy of the softmax).",
+)
 
 
 def _memory_command(per_rank: Callable[[Workload], PerRank], doc: str) -> Callable[..., None]:
@@ -148,33 +153,38 @@ def _memory_command(per_rank: Callable[[Workload], PerRank], doc: str) -> Callab
         master_weights: bool = MASTER_WEIGHTS,
         sequence_parallel: bool | None = SEQUENCE_PARALLEL,
         vpp: int | None = VPP,
+        cross_entropy_fusion: bool = CE_FUSION,
     ) -> None:
         w = Workload(
             model, dp, tp, pp, micro_batch, global_batch, seq_len, zero, recompute, precision, optimizer, gpu, attention, master_weights
         )
-        _framework(w, framework, sequence_parallel, vpp)
+        _framework(w, framework, MegatronOptions(sequence_parallel=sequence_parallel, vpp=vpp, cross_entropy_fusion=cross_entropy_fusion))
         w.emit(per_rank(w), as_json)
 
     command.__doc__ = doc
     return command
 
 
-def _framework(w: Workload, framework: str, sequence_parallel: bool | None, vpp: int | None) -> None:
-    """The framework and its options, checked: sequence parallelism and vpp are Megatron's."""
+def _framework(w: Workload, framework: str, options: MegatronOptions) -> None:
+    """The framework and its options, checked: ``options`` (sequence parallelism, vpp, the fused loss) are Megatron's."""
     check_framework(framework)
     w.framework = framework
     if framework != "frenzy" and w.request.master_weights:
         raise FrenzyError(f"--master-weights is this engine's choice (--framework frenzy); {framework} keeps its own fp32 masters")
     if framework != "megatron":
-        if sequence_parallel is not None or vpp is not None:
-            raise FrenzyError(f"--sequence-parallel and --vpp apply to --framework megatron only (got --framework {framework})")
+        if options != MegatronOptions():
+            raise FrenzyError(
+                f"--sequence-parallel, --vpp and --cross-entropy-fusion apply to --framework megatron only (got --framework {framework})"
+            )
         if framework == "fsdp" and w.plan.tp > 1:
             w.notes.append("fsdp: tp as torchtitan's 2D parallelism (sequence-parallel norms, loss parallel)")
         return
-    w.options = MegatronOptions(sequence_parallel=sequence_parallel, vpp=vpp)
-    sp = w.options.sp(w.plan.tp)
-    default = " (default with tp > 1)" if sequence_parallel is None and sp else ""
-    w.notes.append(f"megatron: sequence parallelism {'on' if sp else 'off'}{default}; " + (f"vpp {vpp}" if vpp else "plain 1F1B"))
+    w.options = options
+    sp = options.sp(w.plan.tp)
+    default = " (default with tp > 1)" if options.sequence_parallel is None and sp else ""
+    chunks = f"vpp {options.vpp}" if options.vpp else "plain 1F1B"
+    fused = "; fused cross entropy" if options.cross_entropy_fusion else ""
+    w.notes.append(f"megatron: sequence parallelism {'on' if sp else 'off'}{default}; {chunks}{fused}")
     w.notes.append(f"megatron: distributed optimizer {'on (zero=1)' if w.plan.zero == 1 else 'off (zero=0)'}")
 
 

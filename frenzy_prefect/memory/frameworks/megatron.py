@@ -37,7 +37,10 @@ Assumptions, each with its source (re-derived, no code copied):
 - Output layer and loss on the last stage: vocabulary-parallel cross entropy on fp32 logits
   (``logits.float()``), whose softmax (4 sbV/t) is saved per in-flight micro-batch; while it is
   cast (and while its gradient is cast back) the 16-bit logits or their gradient (2 sbV/t) live
-  beside it. The fused cross entropy is not told apart.
+  beside it. ``--cross-entropy-loss-fusion`` (native impl, the only one Megatron's arguments
+  accept) runs the loss through ``torch.compile`` (``megatron/core/jit.py``); its backward
+  (``fused_cross_entropy.calculate_gradients``) scatters into the saved softmax in place, which
+  Inductor compiles as an fp32 clone of it beside the 16-bit gradient: one more 4 sbV/t.
 - Without gradient-accumulation fusion (``--no-gradient-accumulation-fusion``) each weight
   gradient is materialised in 16 bits before it is added to ``main_grad``: the largest such
   temporary (the output layer's, else the MLP's first projection) joins the backward moments.
@@ -70,6 +73,7 @@ class MegatronOptions:
     masked_softmax_fusion: bool = True  # False: --no-masked-softmax-fusion (eager softmax kept in fp32)
     first_stage_layers: int | None = None  # --decoder-first-pipeline-num-layers
     last_stage_layers: int | None = None  # --decoder-last-pipeline-num-layers
+    cross_entropy_fusion: bool = False  # --cross-entropy-loss-fusion (native, torch.compile'd)
 
     def sp(self, tp: int) -> bool:
         return tp > 1 if self.sequence_parallel is None else self.sequence_parallel and tp > 1
@@ -183,7 +187,7 @@ def micro_batch_terms(
         embedding=tokens * (8 + (h // (t if sp else 1) if model.hidden_dropout > 0 else 0)),
         head=head_norm + FP32 * logits,
         softmax=FP32 * logits,
-        logits_transient=(e if e < FP32 else 0) * logits,
+        logits_transient=(e if e < FP32 else 0) * logits + (FP32 * logits if options.cross_entropy_fusion else 0),
         output_backward=e * logits + e * tokens * h + (0 if options.grad_accumulation_fusion else e * V // t * h),
     )
 
