@@ -93,10 +93,10 @@ def test_the_cluster_file_sets_the_margin_and_a_margin_too_large_rejects_every_p
 H100_CLUSTER = ROOT / "examples" / "clusters" / "h100x16.yaml"
 
 
-def _llama_on_h100(space):
+def _llama_on_h100():
     cluster = ClusterSpec.from_file(H100_CLUSTER)
     req = TrainingRequest(model="llama-3.1-8b", dataset="s3://b/d.bin", steps=1, global_batch=64, seq_len=8192)
-    cands = allocator.candidate_plans(PRESETS["llama-3.1-8b"], req, cluster, space)
+    cands = allocator.candidate_plans(PRESETS["llama-3.1-8b"], req, cluster)
     return allocator.allocate(cands, ClusterState.idle(cluster)), cands
 
 
@@ -104,7 +104,7 @@ def test_llama_3_1_8b_on_two_h100_nodes_gets_a_plan_a_megatron_user_would_recogn
     """What makes a plan sensible here, not a plan: it fits with the margin kept, its tensor
     parallelism stays inside an NVLink node, it uses the 16 GPUs (each fewer-GPU plan is
     predicted slower), and it is the fastest fitting plan."""
-    chosen, cands = _llama_on_h100("full")
+    chosen, cands = _llama_on_h100()
     assert chosen.fits and chosen.memory.peak_bytes + chosen.margin_bytes <= chosen.gpu_memory_bytes
     assert chosen.margin_bytes == MemoryMargin().bytes_for(chosen.gpu_memory_bytes) > 3.9 * GIB
     assert chosen.plan.tp <= 8 and all(len(p.gpus) % chosen.plan.tp == 0 for p in chosen.placements)
@@ -117,9 +117,13 @@ def test_llama_3_1_8b_on_two_h100_nodes_gets_a_plan_a_megatron_user_would_recogn
     assert chosen.plan.tp * chosen.plan.pp > 1 or chosen.plan.zero >= 2
 
 
-def test_llama_3_1_8b_cannot_train_data_parallel_alone_and_the_shortfall_is_named():
+def test_llama_3_1_70b_on_one_h100_node_is_refused_with_the_shortfall_named():
+    # 16 bytes of fp32 model state per parameter: 1.1 TB over 8 x 80 GB, however it is split.
+    one_node = ClusterSpec.from_file(H100_CLUSTER)
+    one_node = one_node.model_copy(update={"nodes": one_node.nodes[:1]})
+    req = TrainingRequest(model="llama-3.1-70b", dataset="s3://b/d.bin", steps=1, global_batch=8, seq_len=4096)
     with pytest.raises(NoFeasiblePlan) as exc:
-        _llama_on_h100("engine")  # every GPU holds the fp32 model states whole: 16 B x 8B parameters
+        allocator.allocate(allocator.candidate_plans(PRESETS["llama-3.1-70b"], req, one_node), ClusterState.idle(one_node))
     assert "GiB short:" in str(exc.value) and "GiB margin > 79.65 GiB" in str(exc.value)
 
 
@@ -178,7 +182,7 @@ def test_master_weights_candidates_leave_out_zero_2_and_count_half_weights():
     """DeepSpeed's ZeRO-2 runs fp32 weights only; every other plan is estimated with bf16
     weights beside fp32 masters (the same 2 + 4 + 4 + 8 bytes per parameter without ZeRO)."""
     req = TrainingRequest(model="gpt-nano", dataset="s3://b/d.txt", steps=1, global_batch=8, seq_len=64, master_weights=True)
-    cands = allocator.candidate_plans(PRESETS["gpt-nano"], req, CLUSTER, "full")
+    cands = allocator.candidate_plans(PRESETS["gpt-nano"], req, CLUSTER)
     assert cands and all(c.plan.zero != 2 for c in cands)
     plain = next(c for c in cands if c.plan.gpus == 1 and c.plan.recompute == "none")
     n = PRESETS["gpt-nano"].parameters

@@ -20,12 +20,13 @@ from frenzy_prefect.profiling.dataset import profile_dataset
 from frenzy_prefect.profiling.model import PRESETS
 from frenzy_prefect.spec.cluster import ClusterSpec
 from frenzy_prefect.spec.dataset import DatasetInfo
+from frenzy_prefect.spec.layout import check_engine_plan
 from frenzy_prefect.spec.plan import Allocation, ParallelPlan, Placement, TrainingJob
 from frenzy_prefect.spec.request import OptimizerSettings, TrainingRequest
 from frenzy_prefect.storage import exists, filesystem, open_uri
 from frenzy_prefect.training.decoder import Decoder, shard_state
 from frenzy_prefect.training.distributed import DistributedContext, PeerFailed, free_port, together
-from frenzy_prefect.training.engine import Engine, check_engine_plan
+from frenzy_prefect.training.engine import Engine
 from frenzy_prefect.training.layers import positions
 from frenzy_prefect.training.tensor_parallel import TensorParallel
 from frenzy_prefect.training.trainer import train

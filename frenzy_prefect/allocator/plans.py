@@ -4,22 +4,16 @@ memory and step time, in priority order."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Literal
 
 from frenzy_prefect.allocator.step_time import predict_step
-from frenzy_prefect.errors import NoFeasiblePlan
+from frenzy_prefect.errors import FrenzyError, NoFeasiblePlan
 from frenzy_prefect.memory.analytic import estimate
 from frenzy_prefect.spec.cluster import ClusterSpec
 from frenzy_prefect.spec.gpu import GpuType
-from frenzy_prefect.spec.layout import tp_splits
+from frenzy_prefect.spec.layout import check_engine_plan, tp_splits
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import ParallelPlan, PlanCandidate
 from frenzy_prefect.spec.request import TrainingRequest
-
-# What a training job can run today: data parallel with gradient accumulation, with or without
-# full recomputation (the engine runs tp, pp and ZeRO too, but the trainer's single-file
-# checkpoint needs rank 0 to hold the whole model; see trainer.check_checkpointable).
-ENGINE_RECOMPUTE = ("none", "full")
 
 
 def _divisors(n: int) -> list[int]:
@@ -41,15 +35,6 @@ def gpu_kinds(cluster: ClusterSpec) -> dict[str, tuple[GpuType, int, int]]:
     return kinds
 
 
-def engine_plans(global_batch: int, max_gpus: int) -> Iterator[ParallelPlan]:
-    for dp in _divisors(global_batch):
-        if dp > max_gpus:
-            break
-        for micro_batch in _divisors(global_batch // dp):
-            for recompute in ENGINE_RECOMPUTE:
-                yield ParallelPlan(dp=dp, micro_batch=micro_batch, recompute=recompute)
-
-
 def plan_space(model: ModelSpec, global_batch: int, max_gpus: int, node_gpus: int) -> Iterator[ParallelPlan]:
     """Every plan the memory model covers, within ``max_gpus``: tensor parallelism inside one
     node (splitting heads, key/value heads, hidden and ffn evenly), pipeline depths in powers of two, ZeRO-1 with any of
@@ -68,14 +53,12 @@ def plan_space(model: ModelSpec, global_batch: int, max_gpus: int, node_gpus: in
                             yield ParallelPlan.model_construct(dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, zero=zero, recompute=recompute)
 
 
-def candidate_plans(
-    model: ModelSpec, request: TrainingRequest, cluster: ClusterSpec, space: Literal["engine", "full"] = "engine"
-) -> list[PlanCandidate]:
+def candidate_plans(model: ModelSpec, request: TrainingRequest, cluster: ClusterSpec) -> list[PlanCandidate]:
     """All candidates, fitting ones (predicted peak plus the cluster's memory margin within the
     GPU) first, each group by predicted step time (the job's steps
     are fixed, so this is its predicted completion time), then fewer GPUs (GPU-seconds), fewer
-    accumulation steps, no recomputation. ``space``: the plans a training job runs today
-    (``engine_plans``), or every plan the memory model covers (``plan_space``)."""
+    accumulation steps, no recomputation. The plans: every plan the memory model covers
+    (``plan_space``) that the training engine runs with the request's precision."""
     workload = {"global_batch": request.global_batch, "seq_len": request.seq_len, "precision": request.precision}
     kinds = gpu_kinds(cluster)
     if request.precision == "bf16":
@@ -85,12 +68,19 @@ def candidate_plans(
                 f"precision bf16 needs GPUs with bf16 support, and cluster {cluster.name!r} has none "
                 f"({', '.join(gpu_kinds(cluster))}); request fp16 or fp32"
             )
+
+    def runs(plan: ParallelPlan) -> bool:
+        try:
+            check_engine_plan(model, plan, request.precision, request.master_weights)
+        except FrenzyError:
+            return False
+        return True
+
     out: list[PlanCandidate] = []
     for name, (gpu, total, largest) in kinds.items():
         margin = cluster.memory_margin.bytes_for(gpu.memory_bytes)
-        plans = engine_plans(request.global_batch, total) if space == "engine" else plan_space(model, request.global_batch, total, largest)
-        for plan in plans:
-            if request.master_weights and plan.zero == 2:  # DeepSpeed's ZeRO-2 runs fp32 weights only
+        for plan in plan_space(model, request.global_batch, total, largest):
+            if not runs(plan):
                 continue
             network = None if plan.gpus <= largest else cluster.network_gbps
             out.append(

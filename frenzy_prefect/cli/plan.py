@@ -9,7 +9,6 @@ from rich.console import Console
 from rich.table import Table
 
 from frenzy_prefect.cli.common import echo_json, training_request
-from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.units import gib
 
 
@@ -24,9 +23,6 @@ def plan(
     master_weights: bool = typer.Option(
         False, "--master-weights", help="bf16/fp16 weights, fp32 main gradients and fp32 masters (default: fp32 weights under autocast)."
     ),
-    space: str = typer.Option(
-        "engine", "--space", help="engine: plans training runs today (data parallel, recompute); full: tp, pp and ZeRO too."
-    ),
     top: int = typer.Option(10, "--top", min=1, help="How many ranked plans to show."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
@@ -35,12 +31,10 @@ def plan(
     from frenzy_prefect.profiling.model import resolve_model
     from frenzy_prefect.spec.cluster import ClusterSpec, ClusterState
 
-    if space not in ("engine", "full"):
-        raise FrenzyError(f"--space must be engine or full, not {space!r}")
     spec = resolve_model(model, seq_len=seq_len)
     request = training_request(model, global_batch, seq_len, precision, optimizer, attention, master_weights)
     state = ClusterState.idle(ClusterSpec.from_file(cluster))
-    candidates = allocator.candidate_plans(spec, request, state.cluster, space)  # type: ignore[arg-type]
+    candidates = allocator.candidate_plans(spec, request, state.cluster)
     chosen = allocator.allocate(candidates, state)
     ranked = [c for c in candidates if c.fits][:top]
     if as_json:

@@ -13,6 +13,7 @@ from functools import lru_cache
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import ParallelPlan
+from frenzy_prefect.spec.request import Precision, check_master_weights
 
 
 def check_plan(model: ModelSpec, plan: ParallelPlan) -> None:
@@ -24,6 +25,19 @@ def check_plan(model: ModelSpec, plan: ParallelPlan) -> None:
         raise FrenzyError(f"zero=2 runs through DeepSpeed, which refuses it with pipelines; use pp=1, or zero 0 or 1 with pp={plan.pp}")
     if plan.zero == 3 and (plan.tp > 1 or plan.pp > 1):
         raise FrenzyError("zero=3 runs through FSDP2 here, over data parallelism only; use tp=1 and pp=1, or zero=0 or 1 with tp/pp")
+
+
+def check_engine_plan(spec: ModelSpec, plan: ParallelPlan, precision: Precision, master_weights: bool = False) -> None:
+    """The plans the estimator covers (``check_plan``), less what the training engine does not run."""
+    check_plan(spec, plan)
+    try:
+        check_master_weights(precision, master_weights)
+    except ValueError as e:
+        raise FrenzyError(str(e)) from None
+    if master_weights and plan.zero == 2:
+        raise FrenzyError("master_weights runs with zero 0, 1 (any tp and pp) or 3 (FSDP2's mixed precision); ZeRO-2 keeps fp32 weights")
+    if precision == "fp16" and (plan.tp > 1 or plan.pp > 1 or plan.zero):
+        raise FrenzyError("fp16 loss scaling is implemented for plain data parallelism (tp=1, pp=1, zero=0); use bf16 or fp32")
 
 
 def tp_splits(model: ModelSpec, tp: int) -> bool:

@@ -39,30 +39,16 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from frenzy_prefect.errors import FrenzyError
-from frenzy_prefect.spec.layout import check_plan, deal_out, padded_vocab, uses_ddp
+from frenzy_prefect.spec.layout import check_engine_plan, deal_out, padded_vocab, uses_ddp
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import ParallelPlan
-from frenzy_prefect.spec.request import Attention, OptimizerSettings, Precision, check_master_weights
+from frenzy_prefect.spec.request import Attention, OptimizerSettings, Precision
 from frenzy_prefect.training.decoder import Decoder, is_tp_sharded, shard_state
 from frenzy_prefect.training.deepspeed_zero import ModelParallelUnit, start_zero2, zero_config
 from frenzy_prefect.training.fully_sharded import clip_sharded_gradients, shard_fully
 from frenzy_prefect.training.tensor_parallel import TensorParallel
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def check_engine_plan(spec: ModelSpec, plan: ParallelPlan, precision: Precision, master_weights: bool = False) -> None:
-    """The plans the estimator covers (``check_plan``), less what this engine does not run yet."""
-    check_plan(spec, plan)
-    try:
-        check_master_weights(precision, master_weights)
-    except ValueError as e:
-        raise FrenzyError(str(e)) from None
-    if master_weights and plan.zero == 2:
-        raise FrenzyError("master_weights runs with zero 0, 1 (any tp and pp) or 3 (FSDP2's mixed precision); ZeRO-2 keeps fp32 weights")
-    if precision == "fp16" and (plan.tp > 1 or plan.pp > 1 or plan.zero):
-        raise FrenzyError("fp16 loss scaling is implemented for plain data parallelism (tp=1, pp=1, zero=0); use bf16 or fp32")
 
 
 def make_optimizer(params: list[torch.nn.Parameter], settings: OptimizerSettings, shard_over=None) -> torch.optim.Optimizer:

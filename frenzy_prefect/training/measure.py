@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
 from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
 from frenzy_prefect.errors import FrenzyError
+from frenzy_prefect.spec.layout import check_engine_plan
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import MemoryBreakdown, ParallelPlan
 from frenzy_prefect.spec.request import Attention, OptimizerSettings, Precision
@@ -172,8 +173,6 @@ def measure_rank(work: Workload, ctx: DistributedContext) -> RankMemory:
 
 def measure(work: Workload, timeout_s: float = 600) -> list[RankMemory]:
     """Execute ``work`` on plan.gpus local processes; every rank's measured peak, by rank."""
-    from frenzy_prefect.training.engine import check_engine_plan
-
     check_engine_plan(work.model, work.plan, work.precision, work.master_weights)
     work.plan.accumulation(work.global_batch)
     if torch.cuda.is_available() and work.plan.gpus > torch.cuda.device_count():
