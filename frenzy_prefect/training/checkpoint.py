@@ -77,7 +77,7 @@ def complete_checkpoints(prefix: str) -> list[str]:
     """The complete checkpoints under ``prefix`` (those with a manifest), oldest first."""
     fs, path = filesystem(prefix)
     with reaching(prefix):
-        fs.invalidate_cache(path)  # s3fs caches listings; other ranks and runs write here
+        fs.invalidate_cache()  # s3fs caches listings (a directory's too, which its parent's invalidation keeps); other ranks write here
         manifests = fs.glob(f"{path.rstrip('/')}/step-*/{MANIFEST}")
     return [step_uri(prefix, step) for step in sorted(_step_of(m.rsplit("/", 1)[0]) for m in manifests)]
 
