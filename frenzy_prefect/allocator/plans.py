@@ -16,9 +16,9 @@ from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import ParallelPlan, PlanCandidate
 from frenzy_prefect.spec.request import TrainingRequest
 
-# What a training job can run today: data parallel with gradient accumulation, with or without
-# full recomputation (the engine runs tp, pp and ZeRO too, but the trainer's single-file
-# checkpoint needs rank 0 to hold the whole model; see trainer.check_checkpointable).
+# What the allocator proposes today: data parallel with gradient accumulation, with or without
+# full recomputation. The trainer checkpoints and resumes every engine plan but ZeRO-2
+# (training/checkpoint.py); widening this space is issue 15's part 2.
 ENGINE_RECOMPUTE = ("none", "full")
 
 
