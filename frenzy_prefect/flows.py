@@ -44,6 +44,7 @@ def train_llm(
         allocation=allocation,
         cluster=state.cluster,
         output=request.output or default_output(request.dataset, flow_run.get_name() or "local"),
+        run=flow_run.get_id() or "local",  # a retry of this flow run resumes from its checkpoints
     )
     result, training_run = train(job, training_deployment)
     return report(job, result, training_run)

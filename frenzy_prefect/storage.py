@@ -88,13 +88,20 @@ def _is_s3(uri: str) -> bool:
     return fsspec.core.split_protocol(uri)[0] in ("s3", "s3a")
 
 
+def filesystem_options(uri: str) -> dict[str, Any]:
+    """The arguments ``uri``'s filesystem is opened with, for libraries that open it themselves
+    (DCP's FsspecWriter): fsspec hands them the instance ``filesystem`` configured."""
+    if not _is_s3(uri):
+        return {}
+    # The endpoint is passed explicitly so that cached filesystem instances follow the environment.
+    return {"endpoint_url": os.environ.get("AWS_ENDPOINT_URL"), "config_kwargs": _s3_config()}
+
+
 def filesystem(uri: str) -> tuple[AbstractFileSystem, str]:
     """The filesystem holding ``uri`` and the path inside it (s3://, file paths, memory://, ...)."""
-    if not _is_s3(uri):
-        return fsspec.core.url_to_fs(uri)
-    # The endpoint is passed explicitly so that cached filesystem instances follow the environment.
-    fs, path = fsspec.core.url_to_fs(uri, endpoint_url=os.environ.get("AWS_ENDPOINT_URL"), config_kwargs=_s3_config())
-    fs.retries = 1  # a class attribute, not a constructor argument: botocore alone retries
+    fs, path = fsspec.core.url_to_fs(uri, **filesystem_options(uri))
+    if _is_s3(uri):
+        fs.retries = 1  # a class attribute, not a constructor argument: botocore alone retries
     return fs, path
 
 

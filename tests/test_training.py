@@ -1,7 +1,6 @@
 """Real training: torch.distributed over gloo in separate processes, data and checkpoints in S3."""
 
 import asyncio
-import io
 import json
 import math
 import multiprocessing
@@ -23,7 +22,8 @@ from frenzy_prefect.spec.dataset import DatasetInfo
 from frenzy_prefect.spec.layout import check_engine_plan
 from frenzy_prefect.spec.plan import Allocation, ParallelPlan, Placement, TrainingJob
 from frenzy_prefect.spec.request import OptimizerSettings, TrainingRequest
-from frenzy_prefect.storage import exists, filesystem, open_uri
+from frenzy_prefect.storage import exists, open_uri
+from frenzy_prefect.training.checkpoint import latest, load, step_uri
 from frenzy_prefect.training.decoder import Decoder, shard_state
 from frenzy_prefect.training.distributed import DistributedContext, PeerFailed, free_port, together
 from frenzy_prefect.training.engine import Engine
@@ -85,12 +85,12 @@ def test_two_ranks_on_two_nodes_train_and_checkpoint_to_s3(dataset):
     assert len(losses) == 40 and metrics["world_size"] == 2 and metrics["backend"] == "gloo"
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 1.0, losses
 
-    fs, path = filesystem(job.checkpoint_uri)
-    ckpt = torch.load(io.BytesIO(fs.cat_file(path)), weights_only=False)
-    assert ckpt["step"] == 40 and ckpt["model_spec"]["name"] == "gpt-nano"
-    model = Decoder(NANO)
-    model.load_state_dict(ckpt["model"])  # strict: every tensor present, right shapes
-    assert len(ckpt["optimizer"]["state"]) == len(list(model.parameters()))
+    assert metrics["checkpoint"] == step_uri(job.checkpoint_uri, 40)
+    uri, manifest = latest(job.checkpoint_uri)
+    assert uri == metrics["checkpoint"] and manifest.step == 40 and manifest.model.name == "gpt-nano" and manifest.losses == losses
+    engine = Engine(NANO, ParallelPlan(micro_batch=8), precision="fp32", optimizer=job.request.optimizer, accumulation=2)
+    load(engine, uri, manifest)  # strict: every tensor and optimizer state present, right shapes
+    assert len(engine.optimizer.state) == len(list(engine.model.parameters()))
 
 
 def test_a_failing_rank_stops_the_whole_job_and_writes_nothing(s3):
@@ -121,8 +121,9 @@ def test_a_lone_rank_trains_with_full_recomputation(dataset, precision):
     lines = []
     result = train(job, DistributedContext(), log=lines.append)
     assert result.losses[-1] < result.losses[0] - 0.5
-    assert lines[0].startswith("step 1/15 loss") and lines[-1] == f"checkpoint written to {job.checkpoint_uri}"
-    assert exists(job.checkpoint_uri)
+    final = step_uri(job.checkpoint_uri, 15)
+    assert lines[0].startswith("step 1/15 loss") and lines[-1].startswith(f"checkpoint of step 15 written to {final}")
+    assert exists(f"{final}/manifest.json")
 
 
 STALLED = "the object store holding s3://b/x.bin (endpoint http://127.0.0.1:9) did not answer within 47 s: ReadTimeoutError"

@@ -26,7 +26,7 @@ def rank_launches(job: TrainingJob, *, python: str, env: dict[str, str]) -> list
             f"--node-rank={node_rank}",
             f"--nproc-per-node={len(placement.gpus)}",
             f"--master-addr={master}",
-            "--max-restarts=0",
+            f"--max-restarts={job.request.max_restarts}",  # each restart resumes from the last checkpoint
             "-m",
             "frenzy_prefect.training.entry",
         ]

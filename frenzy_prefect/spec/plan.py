@@ -143,14 +143,20 @@ class TrainingJob(BaseModel):
     dataset: DatasetInfo
     allocation: Allocation
     cluster: ClusterSpec = Field(description="The inventory it was allocated on; its name scopes the GPU reservations.")
-    output: str = Field(description="URI prefix that receives checkpoint.pt, metrics.json and report.json.")
+    output: str = Field(description="URI prefix that receives the checkpoints, metrics.json and report.json.")
+    run: str = Field(
+        default="local",
+        description="The run the checkpoints belong to (the train-llm flow run's id, which a retry keeps): it resumes from "
+        "its own checkpoints only.",
+    )
 
     def _under_output(self, name: str) -> str:
         return f"{self.output.rstrip('/')}/{name}"
 
     @property
     def checkpoint_uri(self) -> str:
-        return self._under_output("checkpoint.pt")
+        """This run's checkpoints: one step-NNNNNN/ directory each (see training/checkpoint.py)."""
+        return self._under_output(f"checkpoints/{self.run}")
 
     @property
     def metrics_uri(self) -> str:

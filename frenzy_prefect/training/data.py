@@ -28,11 +28,18 @@ class TokenWindows:
         raw = self._file.read((self.seq_len + 1) * itemsize)
         return np.frombuffer(raw, dtype=self.dataset.dtype).astype(np.int64)
 
-    def batch(self, generator: torch.Generator, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = torch.randint(0, self.dataset.tokens - self.seq_len, (size,), generator=generator).tolist()
+    def starts(self, generator: torch.Generator, count: int) -> list[int]:
+        """``count`` window starts, uniform over the file."""
+        return torch.randint(0, self.dataset.tokens - self.seq_len, (count,), generator=generator).tolist()
+
+    def windows(self, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of the windows at ``starts``, each (len(starts), seq_len)."""
         with reaching(self.dataset.uri):
             windows = torch.from_numpy(np.stack([self._window(s) for s in starts]))
         return windows[:, :-1], windows[:, 1:]
+
+    def batch(self, generator: torch.Generator, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.windows(self.starts(generator, size))
 
     def close(self) -> None:
         self._file.close()

@@ -127,25 +127,31 @@ def is_tp_sharded(name: str) -> bool:
     return ".attn." in name or ".mlp." in name or name in ("tok_emb.weight", "head.weight")
 
 
-def _rows(t: torch.Tensor, widths: list[int], tp: TensorParallel) -> torch.Tensor:
-    """This rank's rows of a column-parallel tensor whose rows are parts of the given widths laid
-    end to end (QKV: [q | k | v]; SwiGLU: [gate | up]): its slice of each part, in the same order."""
-    parts = t.split(widths)
-    return torch.cat([part[tp.split(n)] for part, n in zip(parts, widths, strict=True)])
+def tp_split(name: str, spec: ModelSpec) -> tuple[int, list[int]] | None:
+    """How a block tensor (``name`` inside the block: ``attn.qkv.weight``) is split over tensor-parallel
+    ranks: (dimension, widths of the parts laid end to end along it), each rank holding its slice of
+    every part in the same order (QKV: [q | k | v]; SwiGLU: [gate | up]); None: whole on every rank
+    (norms; row-parallel biases, which tp rank 0 alone holds)."""
+    h, f = spec.hidden, spec.ffn_hidden
+    if name.startswith("attn.qkv"):  # each rank's query heads and the key/value heads they use
+        return 0, [h, spec.kv_width, spec.kv_width]
+    if name.startswith("mlp.fc"):
+        return 0, [f, f] if spec.mlp == "swiglu" else [f]
+    if name == "attn.proj.weight":
+        return 1, [h]
+    if name == "mlp.proj.weight":
+        return 1, [f]
+    return None
 
 
 def _tp_slice(name: str, t: torch.Tensor, spec: ModelSpec, tp: TensorParallel) -> torch.Tensor | None:
     if tp.size == 1:
         return t
-    h, f = spec.hidden, spec.ffn_hidden
-    if name.startswith("attn.qkv"):  # this rank's query heads and the key/value heads they use
-        return _rows(t, [h, spec.kv_width, spec.kv_width], tp)
-    if name.startswith("mlp.fc"):
-        return _rows(t, [f, f] if spec.mlp == "swiglu" else [f], tp)
     if name.endswith("proj.bias"):
         return t if tp.rank == 0 else None
-    if name == "attn.proj.weight":
-        return t[:, tp.split(h)]
-    if name == "mlp.proj.weight":
-        return t[:, tp.split(f)]
-    return t  # norms are whole on every rank
+    split = tp_split(name, spec)
+    if split is None:
+        return t
+    dim, widths = split
+    parts = t.split(widths, dim)
+    return torch.cat([part.narrow(dim, tp.split(n).start, n // tp.size) for part, n in zip(parts, widths, strict=True)], dim)

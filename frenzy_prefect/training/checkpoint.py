@@ -1,0 +1,297 @@
+"""Sharded checkpoints in object storage through torch.distributed.checkpoint (DCP), and resume.
+
+Layout under a run's checkpoint prefix (``TrainingJob.checkpoint_prefix``)::
+
+    step-000120/   DCP's files: one ``__<rank>_0.distcp`` per rank that holds pieces, ``.metadata``
+                   manifest.json  written last: the step, plan, model, time and losses so far
+
+Every rank writes its own pieces (``FsspecWriter`` over s3fs); ``dcp.save`` returns on every rank
+once the coordinator has written ``.metadata``, after all ranks' files; then a barrier, and rank 0
+writes the manifest. A checkpoint is complete when its manifest exists: a directory without one
+(a write torn by a crash) is ignored on resume and removed when the next checkpoint is pruned.
+The last ``keep`` complete checkpoints stay; older ones are deleted once the new manifest exists.
+
+What is saved is keyed by the WHOLE model's names and shapes (``Decoder`` naming, global layer
+indices), each rank describing which pieces of each tensor it holds (``Pieces``), so that DCP
+reshards on load: another dp, tp, pp or ZeRO stage reads the pieces it needs. Replicated tensors
+(dp replicas, norms on every tp rank, a tied embedding's two copies) are written once, as DCP
+deduplicates identical pieces. Saved: the fp32 weights (the masters, with master weights), the
+optimizer's per-parameter states under the same names (Adam's exp_avg, exp_avg_sq and step),
+the LR schedule and the fp16 loss scaler. The data sampler needs no state: a step's batch is a
+function of (seed, step) (trainer.step_batches), so the step in the manifest is its position.
+
+Modes: plain/DDP, tp, pp, ZeRO-1 (each replica saves the states it steps, and the masters it
+owns) and ZeRO-3 (FSDP2's shards: DTensor offsets). ZeRO-2 (DeepSpeed) is refused.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from pydantic import BaseModel, Field
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+
+from frenzy_prefect.errors import FrenzyError
+from frenzy_prefect.spec.layout import padded_vocab
+from frenzy_prefect.spec.model import ModelSpec
+from frenzy_prefect.spec.plan import ParallelPlan
+from frenzy_prefect.storage import filesystem, filesystem_options, reaching, write_bytes
+from frenzy_prefect.training.decoder import stage_layers, tp_split
+from frenzy_prefect.training.engine import Engine
+
+MANIFEST = "manifest.json"
+
+
+class Manifest(BaseModel):
+    """What marks a checkpoint complete, and what resuming needs beside the tensors."""
+
+    step: int
+    plan: ParallelPlan
+    model: ModelSpec
+    written_at: datetime
+    save_s: float
+    losses: list[float] = Field(description="Mean loss of each step so far, for the run's result.")
+
+
+def check_checkpointable(plan: ParallelPlan) -> None:
+    if plan.zero == 2:
+        raise FrenzyError("training checkpoints zero 0, 1 and 3 (any tp and pp), not DeepSpeed's ZeRO-2 yet: use zero 1 or 3")
+
+
+def step_uri(prefix: str, step: int) -> str:
+    return f"{prefix.rstrip('/')}/step-{step:06d}"
+
+
+def complete_checkpoints(prefix: str) -> list[str]:
+    """The complete checkpoints under ``prefix`` (those with a manifest), oldest first."""
+    fs, path = filesystem(prefix)
+    with reaching(prefix):
+        fs.invalidate_cache()  # s3fs caches listings (a directory's too, which its parent's invalidation keeps); other ranks write here
+        manifests = fs.glob(f"{path.rstrip('/')}/step-*/{MANIFEST}")
+    return [step_uri(prefix, step) for step in sorted(_step_of(m.rsplit("/", 1)[0]) for m in manifests)]
+
+
+def latest(prefix: str) -> tuple[str, Manifest] | None:
+    """The latest complete checkpoint under ``prefix`` and its manifest, or None."""
+    found = complete_checkpoints(prefix)
+    if not found:
+        return None
+    fs, path = filesystem(f"{found[-1]}/{MANIFEST}")
+    with reaching(path):
+        return found[-1], Manifest.model_validate_json(fs.cat_file(path))
+
+
+@dataclass
+class Pieces:
+    """This rank's pieces of one tensor of the whole model: (offsets in it, local view) each. DCP
+    writes and reads them through its checkpointable protocol (the dunder methods below)."""
+
+    shape: torch.Size
+    pieces: list[tuple[torch.Size, torch.Tensor]]
+
+    def size(self) -> torch.Size:
+        return self.shape
+
+    def at(self, offsets: torch.Size) -> torch.Tensor:
+        return next(t for o, t in self.pieces if o == offsets)
+
+    def __create_write_items__(self, fqn: str, _obj: object) -> list[WriteItem]:
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=offsets, sizes=t.size()),
+                    properties=TensorProperties.create_from_tensor(t),
+                    size=self.shape,
+                ),
+            )
+            for offsets, t in self.pieces
+        ]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=offsets, sizes=t.size()) for offsets, t in self.pieces]
+
+
+class _SavePlanner(DefaultSavePlanner):
+    def lookup_object(self, index: MetadataIndex):
+        obj = self.state_dict[index.fqn]
+        return obj.at(index.offset) if isinstance(obj, Pieces) else super().lookup_object(index)
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    def set_up_planner(self, state_dict: dict, metadata=None, is_coordinator: bool = False) -> None:
+        # DefaultLoadPlanner's own first allocates meta tensors, and replaces by None every object
+        # it does not know (Pieces): flatten without it.
+        self.original_state_dict = state_dict
+        self.state_dict, self.mappings = flatten_state_dict(state_dict)
+        self.metadata, self.is_coordinator = metadata, is_coordinator
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        obj = self.state_dict[index.fqn]
+        return obj.at(index.offset) if isinstance(obj, Pieces) else super().lookup_tensor(index)
+
+
+def _whole_name(engine: Engine, name: str) -> str:
+    """A parameter's name in the whole model: a stage's block i is layer (first layer + i); a tied
+    head on the last stage is the embedding it copies."""
+    if name.startswith("blocks."):
+        _, index, rest = name.split(".", 2)
+        first = stage_layers(engine.spec.layers, engine.plan.pp, engine.stage).start
+        return f"blocks.{first + int(index)}.{rest}"
+    if name == "head.weight" and engine.spec.tied_embeddings:
+        return "tok_emb.weight"
+    return name
+
+
+def _placing(engine: Engine, name: str, param: torch.Tensor):
+    """A function from a tensor shaped as ``param`` (the weight, or one of its optimizer states) to
+    its Pieces of the whole model's tensor."""
+    if isinstance(param, DTensor):  # FSDP2's shard (ZeRO-3 runs no tp)
+        (chunk,) = param.__create_chunk_list__()
+        return lambda t: Pieces(param.shape, [(torch.Size(chunk.offsets), t.to_local())] if chunk.sizes.numel() else [])
+    tp = engine.groups.tp if engine.groups else None
+    rest = name.split(".", 2)[2] if name.startswith("blocks.") else name
+    split = (0, [padded_vocab(engine.spec, engine.plan.tp)]) if rest in ("tok_emb.weight", "head.weight") else tp_split(rest, engine.spec)
+    if tp is None or tp.size == 1 or split is None:
+        return lambda t: Pieces(t.shape, [(torch.Size([0] * t.dim()), t)])
+    dim, widths = split
+    shape = list(param.shape)
+    shape[dim] = sum(widths)
+    slots = []  # (offset in the whole tensor, offset in the local one, length) along dim, per part
+    for i, width in enumerate(widths):
+        part = width // tp.size
+        slots.append((sum(widths[:i]) + tp.rank * part, sum(w // tp.size for w in widths[:i]), part))
+
+    def pieces(t: torch.Tensor) -> Pieces:
+        out = []
+        for whole_at, local_at, length in slots:
+            offsets = [0] * t.dim()
+            offsets[dim] = whole_at
+            out.append((torch.Size(offsets), t.narrow(dim, local_at, length)))
+        return Pieces(torch.Size(shape), out)
+
+    return pieces
+
+
+def _inner_optimizer(engine: Engine) -> torch.optim.Optimizer:
+    """The optimizer that holds this rank's states (ZeRO-1: its share)."""
+    return engine.optimizer.optim if isinstance(engine.optimizer, ZeroRedundancyOptimizer) else engine.optimizer
+
+
+def _fresh_states(engine: Engine) -> None:
+    """Optimizer states for every tensor this rank steps, for DCP to load into (torch's optimizers
+    create them at their first step)."""
+    inner = _inner_optimizer(engine)
+    for group in inner.param_groups:
+        for t in group["params"]:
+            if inner.state[t]:
+                continue
+            if engine.settings.name in ("adam", "adamw"):
+                inner.state[t] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(t), "exp_avg_sq": torch.zeros_like(t)}
+            elif engine.settings.momentum > 0:
+                inner.state[t] = {"momentum_buffer": torch.zeros_like(t)}
+
+
+def training_state(engine: Engine) -> dict:
+    """This rank's share of the training state, keyed by the whole model's names (see module doc)."""
+    masters = {id(p): master for p, master in engine.masters}
+    inner = _inner_optimizer(engine)
+    stepped = {id(t) for group in inner.param_groups for t in group["params"]}
+    model: dict[str, object] = {}
+    optim: dict[str, dict[str, object]] = {}
+    for name, p in engine.model.named_parameters():
+        key, place = _whole_name(engine, name), _placing(engine, name, p)
+        weight = masters.get(id(p), None if engine.main_grads else p)  # ZeRO-1 masters: their owner's
+        if weight is None:
+            continue
+        model[key] = place(weight.detach())
+        if id(weight) in stepped:
+            for state, value in inner.state[weight].items():
+                optim.setdefault(state, {})[key] = value if value.dim() == 0 else place(value)
+    state = {"model": model, "optim": optim, "schedule": engine.schedule.state_dict()}
+    if engine.scaler.is_enabled():
+        state["scaler"] = engine.scaler.state_dict()
+    return state
+
+
+def save(engine: Engine, prefix: str, step: int, losses: list[float], keep: int) -> tuple[str, float]:
+    """Every rank writes its pieces of step ``step``'s checkpoint, then rank 0 the manifest, then
+    prunes to the last ``keep``. Returns (its URI, seconds taken)."""
+    uri, started = step_uri(prefix, step), time.perf_counter()
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if rank0:
+        _remove(uri)  # a torn write of this step by an earlier attempt
+    _barrier()
+    dcp.save(training_state(engine), storage_writer=FsspecWriter(uri, sync_files=False, **filesystem_options(uri)), planner=_SavePlanner())
+    _barrier()  # every rank's files are written
+    seconds = time.perf_counter() - started
+    if rank0:
+        now = datetime.now(timezone.utc)
+        done = Manifest(step=step, plan=engine.plan, model=engine.spec, written_at=now, save_s=seconds, losses=losses)
+        write_bytes(f"{uri}/{MANIFEST}", done.model_dump_json(indent=2).encode())
+        prune(prefix, keep)
+    return uri, seconds
+
+
+def load(engine: Engine, uri: str, manifest: Manifest) -> None:
+    """Load the checkpoint at ``uri`` into ``engine``, whatever plan wrote it."""
+    if manifest.model != engine.spec:
+        raise FrenzyError(f"the checkpoint at {uri} is of model {manifest.model.name}, not of {engine.spec.name}")
+    rows, ours = padded_vocab(manifest.model, manifest.plan.tp), padded_vocab(engine.spec, engine.plan.tp)
+    if rows != ours:
+        raise FrenzyError(
+            f"the checkpoint at {uri} pads the vocabulary to {rows} rows (tp={manifest.plan.tp}) and this plan to {ours}: "
+            "resume with a tp whose padding matches"
+        )
+    _fresh_states(engine)
+    state = training_state(engine)
+    dcp.load(state, storage_reader=FsspecReader(uri, **filesystem_options(uri)), planner=_LoadPlanner())
+    engine.schedule.load_state_dict(state["schedule"])
+    for group, lr in zip(engine.optimizer.param_groups, engine.schedule.get_last_lr(), strict=True):
+        group["lr"] = lr
+    if "scaler" in state:
+        engine.scaler.load_state_dict(state["scaler"])
+    if engine.main_grads:
+        engine._refresh_half_weights()  # the half weights from the loaded masters (ZeRO-1: from their owners)
+
+
+def prune(prefix: str, keep: int) -> None:
+    """Delete all but the last ``keep`` complete checkpoints, and torn ones older than those."""
+    kept = complete_checkpoints(prefix)[-keep:]
+    if not kept:
+        return
+    oldest = _step_of(kept[0])
+    fs, path = filesystem(prefix)
+    with reaching(prefix):
+        names = [e.rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(path, detail=False, refresh=True)]
+    for name in names:
+        if name.startswith("step-") and _step_of(name) < oldest:
+            _remove(f"{prefix.rstrip('/')}/{name}")
+
+
+def _step_of(uri: str) -> int:
+    return int(uri.rsplit("/", 1)[-1].removeprefix("step-"))
+
+
+def _remove(uri: str) -> None:
+    fs, path = filesystem(uri)
+    with reaching(uri):
+        if fs.exists(path):
+            fs.rm(path, recursive=True)
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
