@@ -21,7 +21,9 @@ the LR schedule and the fp16 loss scaler. The data sampler needs no state: a ste
 function of (seed, step) (trainer.step_batches), so the step in the manifest is its position.
 
 Modes: plain/DDP, tp, pp, ZeRO-1 (each replica saves the states it steps, and the masters it
-owns) and ZeRO-3 (FSDP2's shards: DTensor offsets). ZeRO-2 (DeepSpeed) is refused.
+owns), ZeRO-2 (DeepSpeed's own API gathers and scatters each parameter's fp32 weight and states
+over its partitions: ``deepspeed.utils.safe_get/set_full_*``) and ZeRO-3 (FSDP2's shards:
+DTensor offsets).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.spec.layout import padded_vocab
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import ParallelPlan
+from frenzy_prefect.spec.request import OptimizerSettings
 from frenzy_prefect.storage import filesystem, filesystem_options, reaching, write_bytes
 from frenzy_prefect.training.decoder import stage_layers, tp_split
 from frenzy_prefect.training.engine import Engine
@@ -62,11 +65,6 @@ class Manifest(BaseModel):
     written_at: datetime
     save_s: float
     losses: list[float] = Field(description="Mean loss of each step so far, for the run's result.")
-
-
-def check_checkpointable(plan: ParallelPlan) -> None:
-    if plan.zero == 2:
-        raise FrenzyError("training checkpoints zero 0, 1 and 3 (any tp and pp), not DeepSpeed's ZeRO-2 yet: use zero 1 or 3")
 
 
 def step_uri(prefix: str, step: int) -> str:
@@ -196,16 +194,77 @@ def _fresh_states(engine: Engine) -> None:
     inner = _inner_optimizer(engine)
     for group in inner.param_groups:
         for t in group["params"]:
-            if inner.state[t]:
-                continue
-            if engine.settings.name in ("adam", "adamw"):
-                inner.state[t] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(t), "exp_avg_sq": torch.zeros_like(t)}
-            elif engine.settings.momentum > 0:
-                inner.state[t] = {"momentum_buffer": torch.zeros_like(t)}
+            if not inner.state[t]:
+                inner.state[t] = _fresh_state(engine.settings, t)
 
 
-def training_state(engine: Engine) -> dict:
-    """This rank's share of the training state, keyed by the whole model's names (see module doc)."""
+def _fresh_state(settings: OptimizerSettings, like: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The state torch's optimizer keeps for a tensor shaped as ``like``, before any step."""
+    if settings.name in ("adam", "adamw"):
+        return {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(like), "exp_avg_sq": torch.zeros_like(like)}
+    return {"momentum_buffer": torch.zeros_like(like)} if settings.momentum > 0 else {}
+
+
+def _deepspeed_partitions(engine: Engine) -> tuple[torch.optim.Optimizer, list[torch.Tensor]]:
+    """DeepSpeed's ZeRO-2: the optimizer it wraps, and the flat fp32 partitions it steps, their
+    states created if no step has run yet and linked to the parameters (what DeepSpeed does after
+    its first step), so that ``safe_set_full_optimizer_state`` can load into them."""
+    zero = engine.deepspeed.optimizer
+    inner, partitions = zero.optimizer, list(zero.single_partition_of_fp32_groups)
+    for flat in partitions:
+        if not inner.state[flat]:
+            inner.state[flat] = _fresh_state(engine.settings, flat)
+    zero._lazy_init_hp_params_optimizer_state()
+    return inner, partitions
+
+
+def _deepspeed_tensors(engine: Engine) -> list[tuple[str, torch.nn.Parameter, dict[str, torch.Tensor]]]:
+    """(name, parameter, its whole optimizer states gathered over the data-parallel partitions) of
+    a ZeRO-2 rank. A collective: every rank calls it, parameters in the same order."""
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    inner, partitions = _deepspeed_partitions(engine)
+    kinds = [k for k, t in inner.state[partitions[0]].items() if t.dim()]  # not the step count
+    return [(name, p, {k: safe_get_full_optimizer_state(p, k) for k in kinds}) for name, p in engine.model.named_parameters()]
+
+
+def _deepspeed_state(engine: Engine, tensors) -> tuple[dict, dict]:
+    """(model, optimizer states) of a ZeRO-2 rank: every parameter's fp32 weight (DeepSpeed keeps
+    it whole on every replica) and its gathered states; the replicas' equal pieces are written once."""
+    inner, partitions = _deepspeed_partitions(engine)
+    step = inner.state[partitions[0]].get("step")
+    model, optim = {}, {}
+    for name, p, states in tensors:
+        key, place = _whole_name(engine, name), _placing(engine, name, p)
+        model[key] = place(p.detach())
+        for k, t in states.items():
+            optim.setdefault(k, {})[key] = place(t)
+        if step is not None:
+            optim.setdefault("step", {})[key] = step
+    return model, optim
+
+
+def _load_deepspeed(engine: Engine, tensors) -> None:
+    """After DCP loaded into the weights and ``tensors``' states in place: scatter them into
+    DeepSpeed's fp32 partitions, and give every partition the loaded step count."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    inner, partitions = _deepspeed_partitions(engine)
+    for _, p, states in tensors:
+        safe_set_full_fp32_param(p, p.detach())
+        for k, t in states.items():
+            safe_set_full_optimizer_state(p, t, k)
+    for flat in partitions[1:]:
+        if "step" in inner.state[flat]:
+            inner.state[flat]["step"] = inner.state[partitions[0]]["step"].clone()
+
+
+def training_state(engine: Engine, tensors=None) -> dict:
+    """This rank's share of the training state, keyed by the whole model's names (see module doc);
+    ``tensors``: ZeRO-2's gathered states to load into (``_deepspeed_tensors``)."""
+    if engine.deepspeed is not None:
+        model, optim = _deepspeed_state(engine, tensors or _deepspeed_tensors(engine))
+        return {"model": model, "optim": optim, "schedule": engine.schedule.state_dict()}
     masters = {id(p): master for p, master in engine.masters}
     inner = _inner_optimizer(engine)
     stepped = {id(t) for group in inner.param_groups for t in group["params"]}
@@ -255,9 +314,13 @@ def load(engine: Engine, uri: str, manifest: Manifest) -> None:
             f"the checkpoint at {uri} pads the vocabulary to {rows} rows (tp={manifest.plan.tp}) and this plan to {ours}: "
             "resume with a tp whose padding matches"
         )
-    _fresh_states(engine)
-    state = training_state(engine)
+    tensors = _deepspeed_tensors(engine) if engine.deepspeed is not None else None
+    if tensors is None:
+        _fresh_states(engine)
+    state = training_state(engine, tensors)
     dcp.load(state, storage_reader=FsspecReader(uri, **filesystem_options(uri)), planner=_LoadPlanner())
+    if tensors is not None:
+        _load_deepspeed(engine, tensors)
     engine.schedule.load_state_dict(state["schedule"])
     for group, lr in zip(engine.optimizer.param_groups, engine.schedule.get_last_lr(), strict=True):
         group["lr"] = lr

@@ -61,7 +61,6 @@ def train(job: TrainingJob, ctx: DistributedContext, log: Callable[[str], None] 
     request, plan = job.request, job.allocation.plan
     if ctx.world_size != plan.gpus:
         raise RuntimeError(f"the plan needs {plan.gpus} ranks but this job has {ctx.world_size}")
-    checkpoint.check_checkpointable(plan)
     started = time.perf_counter()
     ctx.init_process_group()
     try:
