@@ -19,6 +19,8 @@ class TrainingResult(BaseModel):
     backend: str
     wall_s: float = Field(description="From the start of training (joining the process group included) to the last step.")
     tokens_per_s: float = Field(description="Trained tokens over wall_s, all ranks together.")
+    step_s: list[float] = Field(default=[], description="Rank 0's wall time of each step this attempt trained, checkpoints excluded.")
+    checkpoint_s: list[float] = Field(default=[], description="Rank 0's wall time of each checkpoint this attempt wrote.")
 
 
 class TrainingReport(BaseModel):

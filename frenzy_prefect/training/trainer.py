@@ -81,7 +81,7 @@ def train(job: TrainingJob, ctx: DistributedContext, log: Callable[[str], None] 
         # fails the run with its reason, reported by rank 0.
         resumed = together(ctx, lambda: _resume(job, engine, log))
         data = together(ctx, lambda: TokenWindows(job.dataset, request.seq_len))
-        losses, final = _run_steps(job, ctx, engine, data, resumed, log)
+        losses, final, timings = _run_steps(job, ctx, engine, data, resumed, log)
         data.close()
 
         elapsed = time.perf_counter() - started
@@ -94,6 +94,8 @@ def train(job: TrainingJob, ctx: DistributedContext, log: Callable[[str], None] 
             backend=ctx.backend,
             wall_s=elapsed,
             tokens_per_s=trained * request.global_batch * request.seq_len / elapsed,
+            step_s=timings["step"],
+            checkpoint_s=timings["checkpoint"],
         )
         # metrics.json last: the other ranks wait for rank 0's write
         together(ctx, (lambda: write_bytes(job.metrics_uri, result.model_dump_json(indent=2).encode())) if ctx.rank == 0 else lambda: None)
@@ -120,9 +122,10 @@ def _run_steps(
     data: TokenWindows,
     resumed: checkpoint.Manifest | None,
     log: Callable[[str], None],
-) -> tuple[list[float], str]:
+) -> tuple[list[float], str, dict[str, list[float]]]:
     """The training steps, with periodic checkpoints; returns each step's loss averaged over the
-    ranks (those so far, when resumed) and the final checkpoint's URI."""
+    ranks (those so far, when resumed), the final checkpoint's URI, and this rank's wall times of
+    each step and each checkpoint."""
     request, plan, device = job.request, job.allocation.plan, ctx.device
     losses = list(resumed.losses) if resumed else []
     first = resumed.step + 1 if resumed else 1
@@ -131,13 +134,16 @@ def _run_steps(
     tokens_per_step = request.global_batch * request.seq_len
     loss_ranks = ctx.world_size // plan.pp  # the last stage's ranks report the loss
     started = time.perf_counter()
+    timings: dict[str, list[float]] = {"step": [], "checkpoint": []}
     for step in range(first, request.steps + 1):
+        began = time.perf_counter()
         batches = together(ctx, lambda: [tuple(t.to(device) for t in b) for b in step_batches(job, data, ctx.rank, step)])  # noqa: B023
         torch.manual_seed(step_seed(request.seed, step))  # dropout: a resumed step draws what an uninterrupted one would
         step_loss = torch.tensor(engine.step(batches), device=device)
         if ctx.world_size > 1:
             dist.all_reduce(step_loss)
         losses.append(step_loss.item() / loss_ranks)
+        timings["step"].append(time.perf_counter() - began)
         if step == first or step % request.log_every == 0 or step == request.steps:
             rate = (step - first + 1) * tokens_per_step / (time.perf_counter() - started)
             log(f"step {step}/{request.steps} loss {losses[-1]:.4f} ({rate:,.0f} tokens/s over {ctx.world_size} ranks)")
@@ -148,12 +154,13 @@ def _run_steps(
                 lambda: checkpoint.save(engine, job.checkpoint_uri, step, losses, request.keep_checkpoints),  # noqa: B023 (called at once)
             )
             log(f"checkpoint of step {step} written to {final} in {save_s:.2f} s")
+            timings["checkpoint"].append(save_s)
             if request.checkpoint_every is None and step == first:
                 every = _agreed_interval(ctx, save_s, step_s)
                 log(f"checkpointing every {every} steps (a checkpoint takes {save_s:.2f} s, a step {step_s:.2f} s)")
             last_saved = step
             started += save_s  # the step rate counts training only
-    return losses, final
+    return losses, final, timings
 
 
 def _agreed_interval(ctx: DistributedContext, save_s: float, step_s: float) -> int:
