@@ -20,7 +20,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import StateType
 
 
-def _being_cancelled(flow_run_id: UUID) -> bool:
+def being_cancelled(flow_run_id: UUID) -> bool:
     try:
         with get_client(sync_client=True) as client:
             state = client.read_flow_run(flow_run_id).state
@@ -37,7 +37,7 @@ def sigterm_cancels_when_cancelling(flow_run_id: UUID) -> Iterator[None]:
     engine_handler = signal.getsignal(signal.SIGTERM)
 
     def handler(signum: int, frame: object) -> None:
-        if _being_cancelled(flow_run_id):
+        if being_cancelled(flow_run_id):
             control_listener._set_intent("cancel")
         if callable(engine_handler):
             engine_handler(signum, frame)

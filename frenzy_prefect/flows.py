@@ -8,6 +8,7 @@ from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
 
 from frenzy_prefect.cancellation import sigterm_cancels_when_cancelling
+from frenzy_prefect.restarts import failures_restart_while_torchrun_can
 from frenzy_prefect.spec.plan import TrainingJob
 from frenzy_prefect.spec.request import TrainingRequest
 from frenzy_prefect.spec.result import TrainingReport, TrainingResult
@@ -53,5 +54,6 @@ def train_llm(
 @flow(name="distributed-train")
 def distributed_train(job: TrainingJob) -> TrainingResult:
     """Rank 0 of a training job (the `frenzy` worker starts the other ranks beside it)."""
-    with sigterm_cancels_when_cancelling(FlowRunContext.get().flow_run.id):
-        return train_ranks(job, DistributedContext.from_env(), log=get_run_logger().info)
+    run_id, log = FlowRunContext.get().flow_run.id, get_run_logger().info
+    with sigterm_cancels_when_cancelling(run_id), failures_restart_while_torchrun_can(run_id, log):
+        return train_ranks(job, DistributedContext.from_env(), log=log)

@@ -165,7 +165,7 @@ SERVER_ERROR = re.compile(r"Server error '5\d\d|Service Unavailable|Internal Ser
 LOG_RECORD = re.compile(r"^\d\d:\d\d:\d\d\.\d+ \| (\w+)\s*\|")  # Prefect's console format: time | LEVEL | ...
 
 
-def training_job(dataset: str, *, gpus: int, gpu_type: str, steps: int, output: str) -> dict:
+def training_job(dataset: str, *, gpus: int, gpu_type: str, steps: int, output: str, **request) -> dict:
     """A `distributed-train` job parameter, as `train_llm` would submit it: ``gpus`` GPUs of
     ``gpu_type`` (placed on the idle cluster; the worker re-places it at dispatch)."""
     from frenzy_prefect import allocator
@@ -176,7 +176,7 @@ def training_job(dataset: str, *, gpus: int, gpu_type: str, steps: int, output: 
     from frenzy_prefect.spec.request import TrainingRequest
 
     cluster = ClusterSpec.from_file(EXAMPLE_CLUSTER)
-    request = TrainingRequest(**(GOOD | {"dataset": dataset, "global_batch": 8, "steps": steps, "log_every": 1}))
+    request = TrainingRequest(**(GOOD | {"dataset": dataset, "global_batch": 8, "steps": steps, "log_every": 1} | request))
     model = resolve_model(request.model, seq_len=request.seq_len)
     fitting = [c for c in allocator.candidate_plans(model, request, cluster) if c.fits and c.plan.gpus == gpus and c.gpu_type == gpu_type]
     job = TrainingJob(
@@ -199,12 +199,12 @@ def free_now(stack) -> dict[str, list[int]]:
         return asyncio.run(read())
 
 
-def start_stepping(stack: LocalStack, dataset: str, name: str) -> UUID:
+def start_stepping(stack: LocalStack, dataset: str, name: str, steps: int = 100_000, **request) -> UUID:
     """A long 2 x A10 `distributed-train` run, once its ranks are training."""
     with stack.client_settings():
         from prefect.deployments import run_deployment
 
-        parameters = training_job(dataset, gpus=2, gpu_type="A10", steps=100_000, output=f"s3://{BUCKET}/runs/{name}")
+        parameters = training_job(dataset, gpus=2, gpu_type="A10", steps=steps, output=f"s3://{BUCKET}/runs/{name}", **request)
         run_id = run_deployment("distributed-train/frenzy", parameters=parameters, timeout=0).id
         deadline = time.monotonic() + 180
         with get_client(sync_client=True) as client:
@@ -309,6 +309,31 @@ def test_a_rank_killed_with_9_crashes_the_run_naming_the_rank_node_and_signal(st
     while free_now(stack) != {"a10-node": [0, 1], "t4-node": [0, 1]}:
         assert time.monotonic() < killed + 90, f"GPUs still held: {free_now(stack)}"
         time.sleep(0.5)
+
+
+@pytest.mark.resume
+def test_with_max_restarts_a_killed_rank_restarts_the_ranks_from_the_last_checkpoint_and_the_run_completes(stack, worker_pool, dataset):
+    """torchrun elastic, the baseline ReCycle must beat: rank 1 is killed with -9 after a
+    checkpoint; torchrun restarts both ranks, which resume from it, and the run completes."""
+    import os
+    import signal
+
+    from .test_worker import rank_pid
+
+    run_id = start_stepping(stack, dataset, "restarted", steps=40, max_restarts=1, checkpoint_every=5)
+    with stack.client_settings():
+        with get_client(sync_client=True) as client:
+            run_logs = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id]))
+            deadline = time.monotonic() + 120
+            while not any(log.message.startswith("checkpoint of step") for log in client.read_logs(run_logs)):
+                assert time.monotonic() < deadline, "no checkpoint was written"
+                time.sleep(0.5)
+            _, (agent,) = host_and_pids(client.read_flow_run(run_id).infrastructure_pid)
+            os.kill(rank_pid(agent, 1), signal.SIGKILL)
+            run = wait_final(run_id, timeout_s=300)
+            messages = [log.message for log in client.read_logs(run_logs, limit=200)]
+    assert run.state.is_completed(), (run.state, messages[-10:])
+    assert any(m.startswith("resumed from ") for m in messages), messages[-10:]
 
 
 @dataclass

@@ -214,11 +214,6 @@ def _rank_processes(agent_pids: list[int]) -> dict[int, psutil.Process]:
     return ranks
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="torchrun restarts both ranks (max_restarts is passed), but the second attempt's gloo mesh connects to "
-    "refused ports (connectFullMesh) and fails; left to fix: how the restarted ranks rendezvous",
-)
 def test_with_max_restarts_a_lost_rank_restarts_the_ranks_from_the_last_checkpoint(dataset, reference):
     _, ref = reference
     job = job_of(dataset, "restarted", DP2, max_restarts=1)

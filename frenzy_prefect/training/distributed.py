@@ -54,11 +54,12 @@ class DistributedContext(BaseModel):
         """Join the job's process group (env:// under torchrun; a private one for a lone process)."""
         if torch.cuda.is_available():
             torch.cuda.set_device(self.device)
-        if "MASTER_ADDR" in os.environ:
-            init = "env://"
-        else:
-            init = f"tcp://127.0.0.1:{free_port()}"
-        dist.init_process_group(self.backend, init_method=init, rank=self.rank, world_size=self.world_size, timeout=INIT_TIMEOUT)
+        init = "env://" if "MASTER_ADDR" in os.environ else f"tcp://127.0.0.1:{free_port()}"
+        store, rank, world_size = next(dist.rendezvous(init, self.rank, self.world_size, timeout=INIT_TIMEOUT))
+        # torchrun's agent hosts the store and keeps it when it restarts the ranks (max_restarts):
+        # each attempt gets its own keys, or its ranks would connect to the last attempt's addresses.
+        attempt = dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        dist.init_process_group(self.backend, store=attempt, rank=rank, world_size=world_size, timeout=INIT_TIMEOUT)
 
 
 class PeerFailed(RuntimeError):
