@@ -1,10 +1,13 @@
 """The training engine: this rank's share of one optimizer step under any parallel plan.
 
-- ZeRO 0: the project's decoder (``decoder.py``), sharded Megatron-style over ``tp`` and into ``pp`` stages run with
-  the 1F1B schedule (Narayanan et al. 2021), gradients averaged over ``dp`` after the last
-  micro-batch. The schedule is written here rather than taken from torch.distributed.pipelining
-  because that module's backward (``autograd.grad`` over stage inputs) cannot run under
-  MemTracker, which must measure this engine.
+- ZeRO 0: the project's decoder (``decoder.py``), sharded Megatron-style over ``tp`` and into ``pp`` stages,
+  gradients averaged over ``dp`` after the last micro-batch. With pp > 1 each rank executes its
+  worker's program of a pipeline schedule (``executor.py`` over ``pipeline/``): by default
+  fault-free 1F1B (Narayanan et al. 2021) with each W fused to its B, which runs as one ordinary
+  ``backward()`` so MemTracker, which must measure this engine, sees plain autograd; with
+  ``backward="split"`` the zero-bubble shape, whose deferred W's run torch.distributed.pipelining's
+  ``stage_backward_input``/``stage_backward_weight``; ``step`` also takes any other schedule
+  (ReCycle's adapted ones) and a source of other pipelines' micro-batches.
 - ZeRO 1 (with any tp and pp): the same, with torch's ZeroRedundancyOptimizer over the data-parallel
   group: each replica keeps the optimizer states of its share of whole tensors and broadcasts
   what it updated (Megatron's distributed optimizer, over fp32 weights).
