@@ -22,13 +22,13 @@ import time
 from pathlib import Path
 
 from benchmarks import write_result
+from frenzy_prefect.pipeline.builder import one_f_one_b
+from frenzy_prefect.pipeline.timeline import steady_state_period_s
+from frenzy_prefect.pipeline.validate import validate
 from frenzy_prefect.recycle.cache import PlanCache
 from frenzy_prefect.recycle.failures import NeedsCheckpointRestart, key_from_stages
 from frenzy_prefect.recycle.fault_free import costs_from_fault_free_step
 from frenzy_prefect.recycle.planners import heuristic, milp
-from frenzy_prefect.recycle.schedule import one_f_one_b
-from frenzy_prefect.recycle.timeline import steady_state_period_s
-from frenzy_prefect.recycle.validate import validate
 
 SHAPES = [(4, 8), (8, 4)]
 MICROBATCHES = 32

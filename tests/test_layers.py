@@ -20,6 +20,7 @@ LAYERS: list[set[str]] = [
     {"profiling"},
     {"memory"},
     {"allocator"},
+    {"pipeline"},  # schedules as data (torch-free): the engine executes them, ReCycle plans them
     {"training", "launch", "scheduling", "recycle"},  # the rest of the core
     # The Prefect shell.
     {"run_labels", "server_calls", "crash", "cancellation", "blocks"},
@@ -33,6 +34,11 @@ LAYERS: list[set[str]] = [
 # Allowed by the layers, but not wanted: the executor does not depend on its own memory model
 # (the plan's layout both use is spec.layout).
 FORBIDDEN = [("training", "memory")]
+
+
+# Packages that must run without torch or Prefect installed, with everything they import.
+PURE = ["pipeline"]
+HEAVY = ("torch", "prefect", "deepspeed")
 
 
 def _module_name(path: Path) -> str:
@@ -70,6 +76,29 @@ def _import_graph() -> dict[str, set[str]]:
 
 def _component(module: str) -> str:
     return module.split(".")[1]
+
+
+def _external_imports(path: Path) -> set[str]:
+    """The top-level names of what a module imports from outside frenzy_prefect."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_the_pure_packages_import_neither_torch_nor_prefect():
+    graph, modules = _import_graph(), _modules()
+    seen = {m for m in modules if m != "frenzy_prefect" and _component(m) in PURE}
+    todo = list(seen)
+    while todo:
+        for target in graph[todo.pop()] - seen:
+            seen.add(target)
+            todo.append(target)
+    heavy = sorted(f"{m} imports {name}" for m in seen for name in _external_imports(modules[m]) if name in HEAVY)
+    assert heavy == []
 
 
 def test_every_top_level_module_has_a_layer():

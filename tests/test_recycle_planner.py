@@ -6,15 +6,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from frenzy_prefect.pipeline.costs import StageCosts
+from frenzy_prefect.pipeline.in_flight import in_flight_peak
+from frenzy_prefect.pipeline.schedule import Action, ActionKind
+from frenzy_prefect.pipeline.timeline import run_timeline, steady_state_period_s
+from frenzy_prefect.pipeline.validate import InvalidSchedule, validate, violations
 from frenzy_prefect.recycle.cache import PlanCache, failure_keys
-from frenzy_prefect.recycle.costs import StageCosts
 from frenzy_prefect.recycle.failures import NeedsCheckpointRestart, RecycleInputError, canonical_failed
 from frenzy_prefect.recycle.fault_free import costs_from_fault_free_step, fault_free_iteration_s
-from frenzy_prefect.recycle.in_flight import in_flight_peak
 from frenzy_prefect.recycle.planners import PLANNERS, heuristic, milp, planner
-from frenzy_prefect.recycle.schedule import Action, ActionKind
-from frenzy_prefect.recycle.timeline import run_timeline, steady_state_period_s
-from frenzy_prefect.recycle.validate import InvalidSchedule, validate, violations
 
 
 @st.composite

@@ -8,8 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from frenzy_prefect.pipeline.builder import one_f_one_b
+from frenzy_prefect.pipeline.costs import StageCosts
+from frenzy_prefect.pipeline.in_flight import in_flight_bound, in_flight_peak
+from frenzy_prefect.pipeline.schedule import Action, ActionKind, parse_action
+from frenzy_prefect.pipeline.timeline import ScheduleDeadlock, run_timeline, steady_state_period_s
+from frenzy_prefect.pipeline.validate import InvalidSchedule, validate, violations
+from frenzy_prefect.pipeline.workers import ScheduleInputError
 from frenzy_prefect.profiling.model import PRESETS
-from frenzy_prefect.recycle.costs import StageCosts
 from frenzy_prefect.recycle.failures import (
     NeedsCheckpointRestart,
     RecycleInputError,
@@ -20,10 +26,6 @@ from frenzy_prefect.recycle.failures import (
     reroute,
 )
 from frenzy_prefect.recycle.fault_free import costs_from_fault_free_step, fault_free_iteration_s
-from frenzy_prefect.recycle.in_flight import in_flight_bound, in_flight_peak
-from frenzy_prefect.recycle.schedule import Action, ActionKind, one_f_one_b, parse_action
-from frenzy_prefect.recycle.timeline import ScheduleDeadlock, run_timeline, steady_state_period_s
-from frenzy_prefect.recycle.validate import InvalidSchedule, validate, violations
 from frenzy_prefect.spec.catalog import GPU_CATALOG
 from frenzy_prefect.spec.plan import ParallelPlan
 
@@ -58,7 +60,7 @@ def test_costs_from_a_fault_free_step_reproduce_it(shape, step_s, allreduce, opt
 def test_costs_from_a_fault_free_step_reject_impossible_fractions():
     with pytest.raises(RecycleInputError, match=r"allreduce_fraction \(0.7\) and optimizer_fraction \(0.4\) must be >= 0 and sum below 1"):
         costs_from_fault_free_step(1.0, 2, 2, 4, allreduce_fraction=0.7, optimizer_fraction=0.4)
-    with pytest.raises(RecycleInputError, match="microbatches must be a positive integer, got 0"):
+    with pytest.raises(ScheduleInputError, match="microbatches must be a positive integer, got 0"):
         costs_from_fault_free_step(1.0, 2, 2, 0)
 
 
@@ -88,7 +90,7 @@ def test_action_strings_round_trip():
 
 
 def test_schedules_survive_json_and_compact_form():
-    from frenzy_prefect.recycle.schedule import Schedule
+    from frenzy_prefect.pipeline.schedule import Schedule
 
     schedule = one_f_one_b(2, 3, 4)
     assert Schedule.model_validate_json(schedule.model_dump_json()) == schedule
@@ -124,7 +126,7 @@ def test_normalise_counts_failures_per_stage():
         ),
         (lambda: key_from_stages(2, 3, [1, 1, 1]), RecycleInputError, "stage 1 has 2 replicas; 3 failures there is impossible"),
         (lambda: key_from_stages(2, 3, [3]), RecycleInputError, r"stage 3 does not exist; stages are 0..2 \(0-based\)"),
-        (lambda: reroute(2, 2, 0, frozenset()), RecycleInputError, "microbatches must be a positive integer, got 0"),
+        (lambda: reroute(2, 2, 0, frozenset()), ScheduleInputError, "microbatches must be a positive integer, got 0"),
     ],
 )
 def test_bad_failures_are_named(call, error, message):
@@ -225,7 +227,7 @@ def test_the_memory_bound_is_checked_per_stage():
 
 
 def test_costs_must_match_the_schedules_stages():
-    with pytest.raises(RecycleInputError, match="the costs describe 3 stages but the schedule has pp=2"):
+    with pytest.raises(ScheduleInputError, match="the costs describe 3 stages but the schedule has pp=2"):
         run_timeline(BASE, StageCosts.uniform(3))
 
 

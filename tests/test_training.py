@@ -213,7 +213,7 @@ def _replica0_losses(plan: ParallelPlan, **knobs) -> list[float]:
     "plan",
     [
         ParallelPlan(dp=2, micro_batch=2, zero=1),
-        ParallelPlan(dp=2, pp=2, micro_batch=2, zero=1),
+        pytest.param(ParallelPlan(dp=2, pp=2, micro_batch=2, zero=1), marks=pytest.mark.pipeline),
         ParallelPlan(dp=2, tp=2, micro_batch=2, zero=2),
         ParallelPlan(dp=2, micro_batch=2, zero=3),
     ],
@@ -381,7 +381,11 @@ def test_the_vocab_parallel_loss_and_embedding_compute_what_the_whole_vocabulary
         torch.testing.assert_close(rows_grad, table.grad[rank * 5 : (rank + 1) * 5])
 
 
-@pytest.mark.parametrize("plan", [ParallelPlan(tp=2, micro_batch=2), ParallelPlan(tp=2, pp=2, micro_batch=2)], ids=lambda p: p.label())
+@pytest.mark.parametrize(
+    "plan",
+    [ParallelPlan(tp=2, micro_batch=2), pytest.param(ParallelPlan(tp=2, pp=2, micro_batch=2), marks=pytest.mark.pipeline)],
+    ids=lambda p: p.label(),
+)
 def test_vocab_parallel_plans_train_the_same_model_as_one_rank(plan):
     # The embedding, head, logits and loss split over the vocabulary (the tied head a slice of the
     # embedding, on another stage with pp=2), clipped by the whole model's gradient norm: the

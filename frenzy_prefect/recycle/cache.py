@@ -13,9 +13,10 @@ import itertools
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from frenzy_prefect.recycle.costs import StageCosts
-from frenzy_prefect.recycle.failures import FailureKey, RecycleInputError, Worker, check_key, normalise, pipeline_maps
-from frenzy_prefect.recycle.in_flight import MemoryBound
+from frenzy_prefect.pipeline.costs import StageCosts
+from frenzy_prefect.pipeline.in_flight import MemoryBound
+from frenzy_prefect.pipeline.workers import Worker
+from frenzy_prefect.recycle.failures import FailureKey, RecycleInputError, check_key, normalise, pipeline_maps
 from frenzy_prefect.recycle.planners import Plan, planner
 
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from frenzy_prefect.pipeline.builder import one_f_one_b
+from frenzy_prefect.pipeline.timeline import run_timeline, steady_state_period_s
 from frenzy_prefect.recycle.failures import key_from_stages
 from frenzy_prefect.recycle.fault_free import costs_from_fault_free_step
 from frenzy_prefect.recycle.planners import planner
-from frenzy_prefect.recycle.schedule import one_f_one_b
-from frenzy_prefect.recycle.timeline import run_timeline, steady_state_period_s
 
 
 def plan_case(

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from frenzy_prefect.errors import FrenzyError
+from frenzy_prefect.pipeline.workers import ScheduleInputError, Worker, check_shape, live_pipelines
 
-Worker = tuple[int, int]  # (pipeline, stage)
 FailureKey = tuple[int, ...]  # failures per stage, length pp
 
 
-class RecycleInputError(FrenzyError):
+class RecycleInputError(ScheduleInputError):
     """A ReCycle planning input that is out of range: the message names it and what is accepted."""
 
 
@@ -32,12 +31,6 @@ class NeedsCheckpointRestart(RecycleInputError):
             f"stage(s) {', '.join(map(str, stages))} lost all {dp} replicas: no live peer holds their parameters; "
             "this needs a checkpoint restart, not a ReCycle plan"
         )
-
-
-def check_shape(dp: int, pp: int, microbatches: int) -> None:
-    for name, value in (("dp", dp), ("pp", pp), ("microbatches", microbatches)):
-        if not isinstance(value, int) or value < 1:
-            raise RecycleInputError(f"{name} must be a positive integer, got {value!r}")
 
 
 def normalise(dp: int, pp: int, failed: Iterable[Worker]) -> FailureKey:
@@ -82,10 +75,6 @@ def key_from_stages(dp: int, pp: int, stages: Iterable[int]) -> FailureKey:
 def canonical_failed(dp: int, key: FailureKey) -> frozenset[Worker]:
     """The failed set a key's plans are built for: the last ``key[s]`` pipelines of stage s."""
     return frozenset((p, s) for s, count in enumerate(key) for p in range(dp - count, dp))
-
-
-def live_pipelines(dp: int, failed: frozenset[Worker], stage: int) -> list[int]:
-    return [p for p in range(dp) if (p, stage) not in failed]
 
 
 def reroute(dp: int, pp: int, microbatches: int, failed: frozenset[Worker]) -> dict[tuple[int, int, int], int]:

@@ -11,10 +11,11 @@ from __future__ import annotations
 from functools import lru_cache
 
 from frenzy_prefect.allocator.step_time import ring_all_reduce_factor
-from frenzy_prefect.recycle.costs import ZERO_BUBBLE_SPLIT, StageCosts
-from frenzy_prefect.recycle.failures import RecycleInputError, check_shape
-from frenzy_prefect.recycle.schedule import one_f_one_b
-from frenzy_prefect.recycle.timeline import iteration_s
+from frenzy_prefect.pipeline.builder import one_f_one_b
+from frenzy_prefect.pipeline.costs import ZERO_BUBBLE_SPLIT, StageCosts
+from frenzy_prefect.pipeline.timeline import iteration_s
+from frenzy_prefect.pipeline.workers import check_shape
+from frenzy_prefect.recycle.failures import RecycleInputError
 
 
 @lru_cache(maxsize=64)

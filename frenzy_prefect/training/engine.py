@@ -1,10 +1,13 @@
 """The training engine: this rank's share of one optimizer step under any parallel plan.
 
-- ZeRO 0: the project's decoder (``decoder.py``), sharded Megatron-style over ``tp`` and into ``pp`` stages run with
-  the 1F1B schedule (Narayanan et al. 2021), gradients averaged over ``dp`` after the last
-  micro-batch. The schedule is written here rather than taken from torch.distributed.pipelining
-  because that module's backward (``autograd.grad`` over stage inputs) cannot run under
-  MemTracker, which must measure this engine.
+- ZeRO 0: the project's decoder (``decoder.py``), sharded Megatron-style over ``tp`` and into ``pp`` stages,
+  gradients averaged over ``dp`` after the last micro-batch. With pp > 1 each rank executes its
+  worker's program of a pipeline schedule (``executor.py`` over ``pipeline/``): by default
+  fault-free 1F1B (Narayanan et al. 2021) with each W fused to its B, which runs as one ordinary
+  ``backward()`` so MemTracker, which must measure this engine, sees plain autograd; with
+  ``backward="split"`` the zero-bubble shape, whose deferred W's run torch.distributed.pipelining's
+  ``stage_backward_input``/``stage_backward_weight``; ``step`` also takes any other schedule
+  (ReCycle's adapted ones) and a source of other pipelines' micro-batches.
 - ZeRO 1 (with any tp and pp): the same, with torch's ZeroRedundancyOptimizer over the data-parallel
   group: each replica keeps the optimizer states of its share of whole tensors and broadcasts
   what it updated (Megatron's distributed optimizer, over fp32 weights).
@@ -39,12 +42,16 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
+from frenzy_prefect.errors import FrenzyError
+from frenzy_prefect.pipeline.builder import Backward, one_f_one_b
+from frenzy_prefect.pipeline.schedule import Schedule
 from frenzy_prefect.spec.layout import check_engine_plan, deal_out, padded_vocab, uses_ddp
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import ParallelPlan
 from frenzy_prefect.spec.request import Attention, OptimizerSettings, Precision
 from frenzy_prefect.training.decoder import Decoder, is_tp_sharded, shard_state
 from frenzy_prefect.training.deepspeed_zero import ModelParallelUnit, start_zero2, zero_config
+from frenzy_prefect.training.executor import MicroBatch, MicroBatchSource, StageExecutor
 from frenzy_prefect.training.fully_sharded import clip_sharded_gradients, shard_fully
 from frenzy_prefect.training.tensor_parallel import TensorParallel
 
@@ -87,12 +94,10 @@ def half_weights(params: list[torch.nn.Parameter], dtype: torch.dtype, keep: lis
 @dataclass
 class Groups:
     """This rank's process groups: its tensor-parallel group, its data-parallel group (the same
-    stage and tp rank in every replica), and its pipeline neighbours."""
+    stage and tp rank in every replica), and its pipeline's first and last stage (tied embedding)."""
 
     tp: TensorParallel
     dp: object
-    prev_rank: int | None
-    next_rank: int | None
     tied: object  # first and last stage of this pipeline, which share the embedding
 
     @classmethod
@@ -117,8 +122,6 @@ class Groups:
         return cls(
             tp=TensorParallel(rank=tp_rank, size=plan.tp, group=tp_groups[stage, replica]),
             dp=dp_groups[stage, tp_rank],
-            prev_rank=plan.rank_of(stage - 1, replica, tp_rank) if stage > 0 else None,
-            next_rank=plan.rank_of(stage + 1, replica, tp_rank) if stage < plan.pp - 1 else None,
             tied=tied.get((replica, tp_rank)),
         )
 
@@ -140,10 +143,11 @@ class Engine:
         rank: int = 0,
         device: torch.device = torch.device("cpu"),
         lr_factor: Callable[[int], float] = lambda step: 1.0,
+        backward: Backward = "fused",
     ):
         check_engine_plan(spec, plan, precision, master_weights)
         self.spec, self.plan, self.settings, self.device = spec, plan, optimizer, device
-        self.stage, _, _ = plan.coordinates(rank)
+        self.stage, self.replica, _ = plan.coordinates(rank)
         self.first, self.last = self.stage == 0, self.stage == plan.pp - 1
         half = AUTOCAST_DTYPES.get(precision)
         # Autocast over fp32 weights, or (master weights) half weights and no autocast.
@@ -194,6 +198,24 @@ class Engine:
             mpu = ModelParallelUnit(self.groups.tp, self.groups.dp) if plan.tp > 1 else None
             config = zero_config(spec, plan, accumulation, optimizer)
             self.deepspeed = start_zero2(self.model, self.optimizer, self.schedule, config, mpu)
+        # pp > 1: this rank executes its worker's program of a pipeline schedule (fault-free 1F1B by default).
+        self.pipeline = one_f_one_b(plan.dp, plan.pp, accumulation, backward) if plan.pp > 1 else None
+        self.executor = self._executor(rank) if plan.pp > 1 else None
+
+    def _executor(self, rank: int) -> StageExecutor:
+        _, _, tp_rank = self.plan.coordinates(rank)
+        return StageExecutor(
+            self.model,
+            stage=self.stage,
+            pp=self.plan.pp,
+            dp=self.plan.dp,
+            rank_of=lambda stage, pipeline: self.plan.rank_of(stage, pipeline, tp_rank),
+            autocast=self._autocast,
+            scale=self.scaler.scale,
+            hidden=(self.spec.hidden, self.hidden_dtype),
+            main_grads=self.main_grads,
+            device=self.device,
+        )
 
     def _grad(self, p: torch.nn.Parameter) -> torch.Tensor:
         """The gradient the optimizer reads: the fp32 main gradient with master weights."""
@@ -218,15 +240,17 @@ class Engine:
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
 
-    def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    def step(self, micro_batches: list[MicroBatch], *, schedule: Schedule | None = None, source: MicroBatchSource | None = None) -> float:
         """One optimizer step over this replica's micro-batches; returns their mean loss (the
-        last stage's; other stages return 0.0)."""
+        last stage's; other stages return 0.0). With pp > 1 the stage runs this rank's program of
+        ``schedule`` (default: the engine's fault-free one); a schedule that gives this worker
+        other pipelines' micro-batches needs ``source`` (pipeline, micro) -> that micro-batch."""
         if self.deepspeed is not None:
             return self._zero_step(micro_batches)
         if self.plan.pp == 1:
             loss = self._local_step(micro_batches)
         else:
-            loss = self._pipeline_step(micro_batches)
+            loss = self._pipeline_step(micro_batches, schedule or self.pipeline, source)
         self._reduce_gradients()
         if self.settings.grad_clip > 0:
             self.scaler.unscale_(self.optimizer)
@@ -264,64 +288,23 @@ class Engine:
             total += loss.detach()
         return total.item()
 
-    def _pipeline_step(self, micro_batches) -> float:
-        """1F1B: stage s runs pp - s - 1 warm-up forwards, then alternates one forward and one
-        backward, then drains; each exchange with a neighbour posts its send and receive together."""
-        count = len(micro_batches)
-        warmup = min(self.plan.pp - self.stage - 1, count)
-        shape = (self.plan.micro_batch, micro_batches[0][0].shape[1], self.spec.hidden)
-        in_flight: list[tuple[torch.Tensor | None, torch.Tensor]] = []
-        total = torch.zeros((), device=self.device)
+    def _pipeline_step(self, micro_batches: list[MicroBatch], schedule: Schedule, source: MicroBatchSource | None) -> float:
+        """Execute this worker's program, then (the schedule's AR and OPT) the engine's reduction and step."""
+        if (schedule.dp, schedule.pp) != (self.plan.dp, self.plan.pp):
+            raise FrenzyError(
+                f"the schedule is for dp={schedule.dp} pp={schedule.pp}; this engine runs dp={self.plan.dp} pp={self.plan.pp}"
+            )
 
-        def forward(i: int, received: torch.Tensor | None) -> torch.Tensor:
-            nonlocal total
-            x, y = micro_batches[i]
-            with self._autocast():
-                out = self.model(x if self.first else received, y if self.last else None)
-            if self.last:
-                out = out / count
-                total += out.detach()
-            in_flight.append((received, out))
-            return out
+        def own(pipeline: int, micro: int) -> MicroBatch:
+            if pipeline != self.replica:
+                raise FrenzyError(f"the schedule gives pipeline {self.replica}'s worker pipeline {pipeline}'s micro-batches: pass source")
+            return micro_batches[micro]
 
-        def backward(grad: torch.Tensor | None) -> torch.Tensor | None:
-            received, out = in_flight.pop(0)
-            if self.last:
-                self.scaler.scale(out).backward()
-            else:
-                out.backward(grad)
-            return None if self.first else received.grad
-
-        for i in range(warmup):
-            out = forward(i, self._exchange(recv_prev=shape))
-            self._exchange(send_next=out)
-        received = self._exchange(recv_prev=shape) if count > warmup else None
-        for i in range(warmup, count):
-            out = forward(i, received)
-            grad = self._exchange(send_next=out, recv_next=shape)
-            grad_in = backward(grad)
-            received = self._exchange(send_prev=grad_in, recv_prev=shape if i < count - 1 else None)
-        for _ in range(warmup):
-            self._exchange(send_prev=backward(self._exchange(recv_next=shape)))
-        return total.item()
-
-    def _exchange(self, send_next=None, send_prev=None, recv_next=None, recv_prev=None) -> torch.Tensor | None:
-        """Post the sends and the receive with the pipeline neighbours, then wait for all of them.
-        Sends to a missing neighbour (past either end of the pipeline) are dropped."""
-        works, received = [], None
-        if send_next is not None and self.groups.next_rank is not None:
-            works.append(dist.isend(send_next.detach().contiguous(), self.groups.next_rank))
-        if send_prev is not None and self.groups.prev_rank is not None:
-            works.append(dist.isend(send_prev.contiguous(), self.groups.prev_rank))
-        peer = self.groups.next_rank if recv_next is not None else self.groups.prev_rank if recv_prev is not None else None
-        if peer is not None:
-            received = torch.empty(recv_next or recv_prev, device=self.device, dtype=self.hidden_dtype)
-            works.append(dist.irecv(received, peer))
-        for work in works:
-            work.wait()
-        if received is not None and recv_prev is not None:
-            received.requires_grad_()
-        return received
+        losses = self.executor.run(schedule, (self.replica, self.stage), source or own)
+        if not self.main_grads and any(p.grad is None for p in self.model.parameters()):  # a worker that ran nothing joins the reduction
+            for p in self.model.parameters():
+                p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+        return torch.stack(losses).mean().item() if losses else 0.0
 
     def _reduce_gradients(self) -> None:
         """Average over data-parallel replicas; sum the tied embedding's two copies (first and last stage)."""

@@ -205,6 +205,7 @@ def main() -> None:
     ctx.init_process_group()
     try:
         result = measure_rank(work, ctx)
+        torch.distributed.barrier()  # no rank closes its connections while a peer still uses them
     finally:
         torch.distributed.destroy_process_group()
     (out / f"rank-{ctx.rank:05d}.json").write_text(result.model_dump_json())

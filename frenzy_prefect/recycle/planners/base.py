@@ -6,12 +6,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from frenzy_prefect.recycle.costs import StageCosts
-from frenzy_prefect.recycle.failures import FailureKey, Worker, canonical_failed, check_key, check_shape, live_pipelines, reroute
+from frenzy_prefect.pipeline.costs import StageCosts
+from frenzy_prefect.pipeline.in_flight import MemoryBound, bounds_per_stage
+from frenzy_prefect.pipeline.schedule import Schedule
+from frenzy_prefect.pipeline.timeline import Timeline
+from frenzy_prefect.pipeline.workers import Worker, check_shape, live_pipelines
+from frenzy_prefect.recycle.failures import FailureKey, canonical_failed, check_key, reroute
 from frenzy_prefect.recycle.fault_free import fault_free_iteration_s
-from frenzy_prefect.recycle.in_flight import MemoryBound, bounds_per_stage
-from frenzy_prefect.recycle.schedule import Schedule
-from frenzy_prefect.recycle.timeline import Timeline
 
 Status = Literal["heuristic", "optimal", "time_limit"]
 

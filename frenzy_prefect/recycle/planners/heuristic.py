@@ -14,12 +14,13 @@ from __future__ import annotations
 import heapq
 import time
 
-from frenzy_prefect.recycle.costs import StageCosts
-from frenzy_prefect.recycle.failures import Worker
-from frenzy_prefect.recycle.in_flight import MemoryBound
+from frenzy_prefect.pipeline.builder import ComputeItem, assemble
+from frenzy_prefect.pipeline.costs import StageCosts
+from frenzy_prefect.pipeline.in_flight import MemoryBound
+from frenzy_prefect.pipeline.schedule import Schedule
+from frenzy_prefect.pipeline.timeline import Timeline, compute_needs, run_timeline
+from frenzy_prefect.pipeline.workers import Worker
 from frenzy_prefect.recycle.planners.base import Plan, Problem
-from frenzy_prefect.recycle.schedule import ComputeItem, Schedule, assemble
-from frenzy_prefect.recycle.timeline import Timeline, compute_needs, run_timeline
 
 Ready = dict[tuple[int, int], float]  # (pipeline, micro) -> when its inputs are there
 

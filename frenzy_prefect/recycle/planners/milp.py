@@ -43,14 +43,14 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_array
 
+from frenzy_prefect.pipeline.builder import ComputeItem, assemble
+from frenzy_prefect.pipeline.costs import StageCosts
+from frenzy_prefect.pipeline.in_flight import MemoryBound
+from frenzy_prefect.pipeline.timeline import run_timeline
+from frenzy_prefect.pipeline.workers import Worker
 from frenzy_prefect.recycle import killable_milp
-from frenzy_prefect.recycle.costs import StageCosts
-from frenzy_prefect.recycle.failures import Worker
-from frenzy_prefect.recycle.in_flight import MemoryBound
 from frenzy_prefect.recycle.planners.base import Plan, Problem
 from frenzy_prefect.recycle.planners.heuristic import best_schedule
-from frenzy_prefect.recycle.schedule import ComputeItem, assemble
-from frenzy_prefect.recycle.timeline import run_timeline
 
 TIME_LIMIT_S = 10.0
 SOLVER_SHARE = 0.8  # of the solve's budget, HiGHS's own limit; the child is killed at the whole budget

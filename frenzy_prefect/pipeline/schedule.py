@@ -19,13 +19,13 @@ dp * microbatches (the global micro-batch count), so re-routing leaves the updat
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from enum import Enum
 from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from frenzy_prefect.recycle.failures import Worker, check_shape, live_pipelines
+from frenzy_prefect.pipeline.workers import Worker, live_pipelines
 
 
 class ActionKind(str, Enum):
@@ -143,57 +143,3 @@ class Schedule(BaseModel):
             programs[(maps[s][p], s)] = tuple(a._replace(peer=maps[peer_stage(a, s)][a.peer]) if a.peer >= 0 else a for a in program)
         failed = frozenset((maps[s][p], s) for p, s in self.failed)
         return self.model_copy(update={"programs": programs, "failed": failed})
-
-
-ComputeItem = tuple[str, int, int]  # (F|B|W, owner pipeline, micro-batch)
-
-
-def assemble(dp: int, pp: int, microbatches: int, failed: frozenset[Worker], orders: dict[Worker, Iterable[ComputeItem]]) -> Schedule:
-    """A full schedule from each live worker's order of F/B/W: adds the receive before each consumer,
-    the send after each producer (to whichever worker runs the micro-batch's neighbouring stage),
-    and the stage's all-reduce and optimizer step at the end."""
-    orders = {w: list(items) for w, items in orders.items()}
-    host = {(q, j, s): p for (p, s), items in orders.items() for kind, q, j in items if kind == "F"}
-    divisor = dp * microbatches
-    programs: dict[Worker, tuple[Action, ...]] = {}
-    for (p, s), items in orders.items():
-        out: list[Action] = []
-        for kind, q, j in items:
-            if kind == "F":
-                if s > 0:
-                    out.append(Action(ActionKind.RA, q, j, host.get((q, j, s - 1), -1)))
-                out.append(Action(ActionKind.F, q, j))
-                if s < pp - 1:
-                    out.append(Action(ActionKind.SA, q, j, host.get((q, j, s + 1), -1)))
-            elif kind == "B":
-                if s < pp - 1:
-                    out.append(Action(ActionKind.RG, q, j, host.get((q, j, s + 1), -1)))
-                out.append(Action(ActionKind.B, q, j))
-                if s > 0:
-                    out.append(Action(ActionKind.SG, q, j, host.get((q, j, s - 1), -1)))
-            else:
-                out.append(Action(ActionKind.W, q, j))
-        out += [Action(ActionKind.AR, divisor=divisor), Action(ActionKind.OPT)]
-        programs[(p, s)] = tuple(out)
-    return Schedule.model_construct(dp=dp, pp=pp, microbatches=microbatches, failed=frozenset(failed), programs=programs)
-
-
-def one_f_one_b_order(micro: Sequence[tuple[int, int]], warmup: int) -> list[ComputeItem]:
-    """1F1B over ``micro`` (owner, index) pairs with the backward split: ``warmup`` forwards, then
-    F, B, W per micro-batch, then the remaining B, W pairs. W follows its B at once, as in 1F1B."""
-    n = len(micro)
-    warmup = min(warmup, n)
-    order: list[ComputeItem] = [("F", *micro[i]) for i in range(warmup)]
-    for i in range(n):
-        if warmup + i < n:
-            order.append(("F", *micro[warmup + i]))
-        order += [("B", *micro[i]), ("W", *micro[i])]
-    return order
-
-
-def one_f_one_b(dp: int, pp: int, microbatches: int) -> Schedule:
-    """The fault-free schedule: every pipeline runs 1F1B over its own micro-batches; stage s warms
-    up with pp - s - 1 forwards, so it holds at most pp - s micro-batches in flight."""
-    check_shape(dp, pp, microbatches)
-    orders = {(p, s): one_f_one_b_order([(p, j) for j in range(microbatches)], pp - s - 1) for p in range(dp) for s in range(pp)}
-    return assemble(dp, pp, microbatches, frozenset(), orders)

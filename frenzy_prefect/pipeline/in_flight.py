@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from frenzy_prefect.memory.analytic import estimate, in_flight_micro_batch_bytes, micro_batch_terms
-from frenzy_prefect.recycle.failures import RecycleInputError, Worker
-from frenzy_prefect.recycle.schedule import Schedule
+from frenzy_prefect.pipeline.schedule import Schedule
+from frenzy_prefect.pipeline.workers import ScheduleInputError, Worker
 from frenzy_prefect.spec.gpu import GpuType
 from frenzy_prefect.spec.layout import stage_layer_counts
 from frenzy_prefect.spec.model import ModelSpec
@@ -27,7 +27,7 @@ def bounds_per_stage(memory_bound: MemoryBound, pp: int) -> list[int] | None:
         return None
     bounds = [memory_bound] * pp if isinstance(memory_bound, int) else list(memory_bound)
     if len(bounds) != pp or any(not isinstance(b, int) or b < 1 for b in bounds):
-        raise RecycleInputError(f"memory_bound must be a positive int or {pp} positive ints (one per stage), got {memory_bound!r}")
+        raise ScheduleInputError(f"memory_bound must be a positive int or {pp} positive ints (one per stage), got {memory_bound!r}")
     return bounds
 
 

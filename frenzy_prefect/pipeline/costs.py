@@ -18,7 +18,7 @@ from frenzy_prefect.allocator.step_time import (
     tensor_parallel_s,
 )
 from frenzy_prefect.memory.analytic import FP32
-from frenzy_prefect.recycle.failures import RecycleInputError
+from frenzy_prefect.pipeline.workers import ScheduleInputError
 from frenzy_prefect.spec.gpu import GpuType
 from frenzy_prefect.spec.layout import stage_parameters
 from frenzy_prefect.spec.model import ModelSpec
@@ -60,7 +60,7 @@ class StageCosts(BaseModel):
 
     def check_stages(self, pp: int) -> None:
         if self.stages != pp:
-            raise RecycleInputError(f"the costs describe {self.stages} stages but the schedule has pp={pp}")
+            raise ScheduleInputError(f"the costs describe {self.stages} stages but the schedule has pp={pp}")
 
     def compute_s(self, kind: str, stage: int) -> float:
         return getattr(self, _COMPUTE_FIELD[kind])[stage]

@@ -23,12 +23,12 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from typing import NamedTuple
 
-from frenzy_prefect.recycle.costs import StageCosts
-from frenzy_prefect.recycle.failures import RecycleInputError, Worker
-from frenzy_prefect.recycle.schedule import Action, Schedule
+from frenzy_prefect.pipeline.costs import StageCosts
+from frenzy_prefect.pipeline.schedule import Action, Schedule
+from frenzy_prefect.pipeline.workers import ScheduleInputError, Worker
 
 
-class ScheduleDeadlock(RecycleInputError):
+class ScheduleDeadlock(ScheduleInputError):
     """Workers wait on each other (or on actions that never happen): the iteration cannot end."""
 
 
@@ -98,7 +98,7 @@ def _run_action(w: Worker, a: Action, start: float, costs: StageCosts) -> tuple[
     if kind == "OPT":
         end = start + costs.optimizer_s[stage]
         return end, None, end
-    raise RecycleInputError(f"worker {w} has an action of unknown kind {kind!r}")
+    raise ScheduleInputError(f"worker {w} has an action of unknown kind {kind!r}")
 
 
 def _raise_if_stuck(programs: dict[Worker, list[Action]], ptr: dict[Worker, int]) -> None:

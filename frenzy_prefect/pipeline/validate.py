@@ -5,16 +5,16 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from frenzy_prefect.recycle.costs import StageCosts
-from frenzy_prefect.recycle.failures import RecycleInputError
-from frenzy_prefect.recycle.in_flight import MemoryBound, bounds_per_stage, in_flight_peak
-from frenzy_prefect.recycle.schedule import Schedule
-from frenzy_prefect.recycle.timeline import ScheduleDeadlock, run_timeline
+from frenzy_prefect.pipeline.costs import StageCosts
+from frenzy_prefect.pipeline.in_flight import MemoryBound, bounds_per_stage, in_flight_peak
+from frenzy_prefect.pipeline.schedule import Schedule
+from frenzy_prefect.pipeline.timeline import ScheduleDeadlock, run_timeline
+from frenzy_prefect.pipeline.workers import ScheduleInputError
 
 SHOWN = 12
 
 
-class InvalidSchedule(RecycleInputError):
+class InvalidSchedule(ScheduleInputError):
     def __init__(self, violations: list[str]):
         self.violations = violations
         more = f"; and {len(violations) - SHOWN} more" if len(violations) > SHOWN else ""

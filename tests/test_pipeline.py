@@ -1,0 +1,143 @@
+"""The pipeline executor: fault-free schedules from one builder, executed on real gloo ranks, give
+what plain data parallelism gives; B then W give a plain backward's gradients; a worker can run
+another pipeline's micro-batches (ReCycle's re-routing) and the update is unchanged."""
+
+import multiprocessing
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from frenzy_prefect.pipeline.builder import BACKWARDS, assemble, one_f_one_b, one_f_one_b_order
+from frenzy_prefect.pipeline.costs import StageCosts
+from frenzy_prefect.pipeline.in_flight import in_flight_peak
+from frenzy_prefect.pipeline.schedule import Action, ActionKind, Schedule
+from frenzy_prefect.pipeline.timeline import iteration_s
+from frenzy_prefect.pipeline.validate import validate
+from frenzy_prefect.profiling.model import PRESETS
+from frenzy_prefect.spec.plan import ParallelPlan
+from frenzy_prefect.training.decoder import Decoder
+from frenzy_prefect.training.distributed import free_port
+from frenzy_prefect.training.executor import StageExecutor, _Run
+
+from .test_training import _replica0_losses
+
+pytestmark = pytest.mark.pipeline
+NANO = PRESETS["gpt-nano"]
+
+
+@pytest.mark.parametrize("backward", BACKWARDS)
+@pytest.mark.parametrize(("dp", "pp", "microbatches"), [(1, 2, 1), (2, 2, 4), (1, 4, 8), (3, 4, 2)])
+def test_both_fault_free_schedules_are_valid(dp, pp, microbatches, backward):
+    schedule = one_f_one_b(dp, pp, microbatches, backward)
+    validate(schedule)
+    # Fused: stage s holds pp - s in flight (1F1B); split (ZB-H1): pp on every stage.
+    held = [in_flight_peak(schedule, (0, s)) for s in range(pp)]
+    assert held == [min(microbatches, pp - s if backward == "fused" else pp) for s in range(pp)]
+
+
+def test_deferring_w_shortens_the_iteration():
+    costs = StageCosts.uniform(4, p2p=0.1)
+    assert iteration_s(one_f_one_b(1, 4, 8, "split"), costs) < iteration_s(one_f_one_b(1, 4, 8), costs)
+
+
+@pytest.mark.parametrize(("stage", "stages"), [(1, 3), (1, 2)], ids=["middle stage", "last stage"])
+def test_b_gives_only_the_input_gradient_and_w_then_a_plain_backwards_weight_gradients(stage, stages):
+    torch.manual_seed(0)
+    model = Decoder(NANO, stage=stage, stages=stages)
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, NANO.vocab_size, (2, 17), generator=generator)
+    targets = ids[:, 1:]
+    hidden = torch.randn(2, 16, NANO.hidden, generator=generator)
+    last = stage == stages - 1
+    grad = None if last else torch.randn(2, 16, NANO.hidden, generator=generator)
+    received = hidden.clone().requires_grad_()
+    model(received, targets if last else None).backward(grad)
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    executor = StageExecutor(
+        model, stage=stage, pp=stages, dp=1, rank_of=None, autocast=nullcontext, scale=lambda t: t, hidden=(NANO.hidden, torch.float32)
+    )
+    run = _Run(executor, 1, lambda q, j: (ids[:, :-1], targets), fused=set())
+    run.received[(0, 0)] = hidden.clone().requires_grad_()
+    run.forward(Action(ActionKind.F, 0, 0))
+    run.held[(0, 0)].grad = grad
+    run.backward_input(Action(ActionKind.B, 0, 0))
+    torch.testing.assert_close(run.held[(0, 0)].received.grad, received.grad)
+    assert [name for name, p in model.named_parameters() if p.grad is not None] == []
+    run.backward_weight(Action(ActionKind.W, 0, 0))
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], msg=name)
+
+
+@pytest.mark.parametrize(
+    ("plan", "reference"),
+    [
+        (ParallelPlan(pp=2, micro_batch=2), ParallelPlan(micro_batch=2)),
+        (ParallelPlan(dp=2, pp=2, micro_batch=2), ParallelPlan(dp=2, micro_batch=2)),
+    ],
+    ids=["pp2", "dp2-pp2"],
+)
+@pytest.mark.parametrize("backward", BACKWARDS)
+def test_executed_schedules_train_as_plain_data_parallelism(plan, reference, backward):
+    # Step after step: the second and third losses agree only if every stage's weight
+    # gradients, summed over the micro-batches and averaged over the replicas, are dp-only's.
+    assert _replica0_losses(plan, backward=backward) == pytest.approx(_replica0_losses(reference), abs=1e-5)
+
+
+def rerouted_schedule(microbatches: int) -> Schedule:
+    """dp=2 pp=2 with stage 1 of pipeline 1 failed: pipeline 0's stage-1 worker runs both
+    pipelines' micro-batches, interleaved (1F1B, B and W fused)."""
+    orders = {(p, 0): one_f_one_b_order([(p, j) for j in range(microbatches)], 1) for p in range(2)} | {
+        (0, 1): one_f_one_b_order([(q, j) for j in range(microbatches) for q in range(2)], 0)
+    }
+    return assemble(2, 2, microbatches, frozenset({(1, 1)}), orders)
+
+
+def _weights_after_steps(rank: int, world: int, port: int, plan: ParallelPlan, rerouted: bool, out) -> None:
+    """Three optimizer steps of ``plan``, each replica's micro-batches drawn as ``_losses_of`` draws
+    them; every rank reports its weights."""
+    from frenzy_prefect.spec.request import OptimizerSettings
+    from frenzy_prefect.training.engine import Engine
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+    engine = Engine(NANO, plan, precision="fp32", optimizer=OptimizerSettings(lr=3e-3), accumulation=2, rank=rank)
+    _, replica, _ = plan.coordinates(rank)
+    schedule = rerouted_schedule(2) if rerouted else None
+    data = [torch.Generator().manual_seed(7 + q) for q in range(plan.dp)]
+    for _ in range(3):
+        ids = [[torch.randint(0, NANO.vocab_size, (plan.micro_batch, 33), generator=g) for _ in range(2)] for g in data]
+        batches = [[(x[:, :-1], x[:, 1:]) for x in own] for own in ids]
+        engine.step(batches[replica], schedule=schedule, source=lambda q, j, b=batches: b[q][j])
+    out.put((rank, {name: t.numpy() for name, t in engine.state_dict().items()}))  # numpy: pickled whole, not shared
+    dist.destroy_process_group()
+
+
+def _all_weights(plan: ParallelPlan, rerouted: bool) -> dict:
+    ctx = multiprocessing.get_context("spawn")
+    out, port = ctx.Queue(), free_port()
+    ranks = [ctx.Process(target=_weights_after_steps, args=(r, plan.gpus, port, plan, rerouted, out)) for r in range(plan.gpus)]
+    for p in ranks:
+        p.start()
+    weights = dict(out.get(timeout=300) for _ in ranks)
+    for p in ranks:
+        p.join(timeout=60)
+    assert [p.exitcode for p in ranks] == [0] * plan.gpus
+    return weights
+
+
+def test_a_worker_running_another_pipelines_micro_batches_leaves_the_update_unchanged():
+    """Stage 1 of pipeline 1 runs nothing (as if failed; its rank still joins the reduction and
+    steps); pipeline 0's stage-1 worker runs pipeline 1's micro-batches too, fed by ``source``, with
+    transfers between pipelines. Every rank's weights after three steps are the fault-free ones."""
+    validate(rerouted_schedule(2))
+    plan = ParallelPlan(dp=2, pp=2, micro_batch=2)
+    expected, got = _all_weights(plan, rerouted=False), _all_weights(plan, rerouted=True)
+    for rank, weights in expected.items():
+        for name, tensor in weights.items():
+            torch.testing.assert_close(
+                torch.from_numpy(got[rank][name]), torch.from_numpy(tensor), atol=1e-5, rtol=1e-5, msg=f"rank {rank} {name}"
+            )
