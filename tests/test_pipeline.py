@@ -17,6 +17,7 @@ from frenzy_prefect.pipeline.timeline import iteration_s
 from frenzy_prefect.pipeline.validate import validate
 from frenzy_prefect.profiling.model import PRESETS
 from frenzy_prefect.spec.plan import ParallelPlan
+from frenzy_prefect.spec.result import TrainingResult
 from frenzy_prefect.training.decoder import Decoder
 from frenzy_prefect.training.distributed import free_port
 from frenzy_prefect.training.executor import StageExecutor, _Run
@@ -141,3 +142,25 @@ def test_a_worker_running_another_pipelines_micro_batches_leaves_the_update_unch
             torch.testing.assert_close(
                 torch.from_numpy(got[rank][name]), torch.from_numpy(tensor), atol=1e-5, rtol=1e-5, msg=f"rank {rank} {name}"
             )
+
+
+def test_a_training_job_on_dp_pp_tp_reaches_the_data_parallel_jobs_losses(dataset):
+    """The trainer end to end (torchrun ranks, the S3 dataset, checkpoints): each step's global
+    batch is a function of (seed, step), so a dp=2 x pp=2 x tp=2 job and a dp=2 job see the same
+    data, and their losses agree to fp32 summation order."""
+    from frenzy_prefect.profiling.dataset import profile_dataset
+    from frenzy_prefect.spec.plan import Placement
+    from frenzy_prefect.storage import open_uri
+
+    from .conftest import BUCKET
+    from .test_training import launch, make_job
+
+    info = profile_dataset(dataset, 64, NANO.vocab_size)
+    losses = []
+    for plan in (ParallelPlan(dp=2, micro_batch=4), ParallelPlan(dp=2, pp=2, tp=2, micro_batch=4)):
+        one_node = [Placement(node="n0", host="127.0.0.1", gpus=list(range(plan.gpus)))]
+        job = make_job(info, f"s3://{BUCKET}/runs/trainer-{plan.gpus}", plan, one_node, steps=3)
+        assert launch(job)[0] == 0, plan.label()
+        with open_uri(job.metrics_uri, "r") as f:
+            losses.append(TrainingResult.model_validate_json(f.read()).losses)
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
