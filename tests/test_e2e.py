@@ -336,6 +336,43 @@ def test_with_max_restarts_a_killed_rank_restarts_the_ranks_from_the_last_checkp
     assert any(m.startswith("resumed from ") for m in messages), messages[-10:]
 
 
+@pytest.mark.resume
+def test_retrying_a_failed_train_llm_run_resumes_from_its_own_last_checkpoint(stack, worker_pool, dataset):
+    """A rank of the run's training is killed after a checkpoint: the train-llm run fails. The
+    UI's Retry (the run set to Scheduled again) runs it once more under the same flow run id, and
+    its new training run resumes from that checkpoint and completes."""
+    import os
+    import signal
+
+    from prefect.states import Scheduled
+
+    from .test_worker import rank_pid
+
+    request = GOOD | {"dataset": dataset, "steps": 40, "checkpoint_every": 5, "log_every": 1}
+    with stack.client_settings(), get_client(sync_client=True) as client:
+        from prefect.deployments import run_deployment
+
+        run_id = run_deployment("train-llm/frenzy", parameters={"request": request, "cluster": "local-hetero"}, timeout=0).id
+        deadline = time.monotonic() + 300
+        while not (trainings := children(stack, client.read_flow_run(run_id))) or not any(
+            log.message.startswith("checkpoint of step")
+            for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[trainings[0].id])))
+        ):
+            assert time.monotonic() < deadline, "the training run wrote no checkpoint"
+            time.sleep(0.5)
+        _, (agent,) = host_and_pids(client.read_flow_run(trainings[0].id).infrastructure_pid)
+        os.kill(rank_pid(agent, 0), signal.SIGKILL)
+        assert not wait_final(run_id).state.is_completed()
+
+        client.set_flow_run_state(run_id, Scheduled(), force=True)  # what the UI's Retry does
+        run = wait_final(run_id)
+        retried = max(children(stack, run), key=lambda r: r.created)
+        messages = [log.message for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[retried.id])), limit=200)]
+    assert run.state.is_completed(), run.state
+    resumed = [m for m in messages if m.startswith("resumed from ")]
+    assert resumed and f"/checkpoints/{run_id}/step-" in resumed[0], messages[:10]
+
+
 @dataclass
 class Crowd:
     runs: list[FlowRun]
