@@ -6,7 +6,7 @@ FrenzyCluster block, deploys the flows to a `frenzy` work pool, starts a worker,
 `train-llm/frenzy` deployment and prints what it chose and produced. Stops what it started,
 also when stopped early with Ctrl-C, SIGTERM or SIGHUP.
 
-    python examples/quickstart.py [--steps N] [--keep-running]
+    python examples/quickstart.py [--steps N] [--pp N] [--keep-running]
 """
 
 from __future__ import annotations
@@ -88,6 +88,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--home", type=Path, default=ROOT / ".frenzy", help="State, logs and the SQLite database.")
     parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument(
+        "--pp",
+        type=int,
+        default=2,
+        help="Pin the pipeline depth, as a Megatron user would (the allocator chooses the rest); 0: the allocator chooses it too.",
+    )
     parser.add_argument("--keep-running", action="store_true", help="Keep the server up afterwards to browse the UI.")
     args = parser.parse_args()
     started = time.perf_counter()
@@ -132,9 +138,12 @@ def main() -> int:
                 steps=args.steps,
                 precision="fp32",
                 log_every=10,
+                plan={"pp": args.pp} if args.pp else None,
             )
+            pinned = f", {request.plan.label()} pinned" if request.plan else ""
             print(
-                f"Running train-llm: {request.model}, global batch {request.global_batch}, seq {request.seq_len}, {request.steps} steps ..."
+                f"Running train-llm: {request.model}, global batch {request.global_batch}, seq {request.seq_len}, "
+                f"{request.steps} steps{pinned} ..."
             )
             run = run_deployment(
                 "train-llm/frenzy",

@@ -12,7 +12,7 @@ from frenzy_prefect.profiling.model import PRESETS
 from frenzy_prefect.spec.cluster import ClusterSpec, ClusterState, Node
 from frenzy_prefect.spec.gpu import MemoryMargin
 from frenzy_prefect.spec.plan import PlanCandidate
-from frenzy_prefect.spec.request import TrainingRequest
+from frenzy_prefect.spec.request import PlanPin, TrainingRequest
 from frenzy_prefect.units import GIB
 
 from .conftest import EXAMPLE_CLUSTER, ROOT
@@ -187,3 +187,13 @@ def test_master_weights_candidates_leave_out_zero_2_and_count_half_weights():
     plain = next(c for c in cands if c.plan.gpus == 1 and c.plan.recompute == "none")
     n = PRESETS["gpt-nano"].parameters
     assert (plain.memory.peak_stage.params, plain.memory.peak_stage.grads, plain.memory.peak_stage.optimizer) == (2 * n, 4 * n, 12 * n)
+
+
+def test_a_pinned_part_of_the_plan_is_kept_and_the_allocator_chooses_the_rest():
+    req = TrainingRequest(model="gpt-nano", dataset="s3://b/d.txt", steps=1, global_batch=32, seq_len=128, precision="fp32", plan={"pp": 2})
+    cands = allocator.candidate_plans(PRESETS["gpt-nano"], req, CLUSTER)
+    assert cands and all(c.plan.pp == 2 for c in cands)
+    assert len({(c.plan.dp, c.plan.micro_batch, c.plan.zero, c.plan.recompute) for c in cands}) > 1  # the rest is chosen
+    impossible = req.model_copy(update={"plan": PlanPin(tp=3)})  # gpt-nano's 4 heads do not split three ways
+    with pytest.raises(NoFeasiblePlan, match=r"^no plan with tp=3 runs on cluster .*: tp must split the heads evenly"):
+        allocator.candidate_plans(PRESETS["gpt-nano"], impossible, CLUSTER)

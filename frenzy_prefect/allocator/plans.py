@@ -80,7 +80,7 @@ def candidate_plans(model: ModelSpec, request: TrainingRequest, cluster: Cluster
     for name, (gpu, total, largest) in kinds.items():
         margin = cluster.memory_margin.bytes_for(gpu.memory_bytes)
         for plan in plan_space(model, request.global_batch, total, largest):
-            if not runs(plan):
+            if not runs(plan) or (request.plan and not request.plan.admits(plan)):
                 continue
             network = None if plan.gpus <= largest else cluster.network_gbps
             out.append(
@@ -101,6 +101,12 @@ def candidate_plans(model: ModelSpec, request: TrainingRequest, cluster: Cluster
                     step_time_s=predict_step(model, plan, **workload, gpu=gpu, network_gbps=network).seconds,
                 )
             )
+    if not out and request.plan:
+        raise NoFeasiblePlan(
+            f"no plan with {request.plan.label()} runs on cluster {cluster.name!r}: tp must split the heads evenly and stay "
+            "within one node, pp at most the layers and a power of two, dp x tp x pp within one GPU type's count, "
+            f"dp x micro_batch dividing global_batch ({request.global_batch}), zero 2 without pp, zero 3 without tp or pp"
+        )
     out.sort(
         key=lambda c: (
             not c.fits,

@@ -74,7 +74,14 @@ def print_metrics(title: str, rows: list[tuple[str, str]]) -> None:
 
 
 def training_request(
-    model: str, global_batch: int, seq_len: int, precision: str, optimizer: str, attention: str = "flash", master_weights: bool = False
+    model: str,
+    global_batch: int,
+    seq_len: int,
+    precision: str,
+    optimizer: str,
+    attention: str = "flash",
+    master_weights: bool = False,
+    pin: dict | None = None,
 ) -> TrainingRequest:
     """The workload a command describes, validated as a training request (it names no dataset),
     so that bad values get the same one-line errors as in a flow."""
@@ -88,6 +95,7 @@ def training_request(
         attention=attention,
         master_weights=master_weights,
         optimizer={"name": optimizer},
+        plan=pin,
     )
 
 

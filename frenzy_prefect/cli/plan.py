@@ -23,6 +23,8 @@ def plan(
     master_weights: bool = typer.Option(
         False, "--master-weights", help="bf16/fp16 weights, fp32 main gradients and fp32 masters (default: fp32 weights under autocast)."
     ),
+    tp: int | None = typer.Option(None, "--tp", help="Pin the tensor-parallel degree (default: the allocator chooses)."),
+    pp: int | None = typer.Option(None, "--pp", help="Pin the pipeline depth (default: the allocator chooses)."),
     top: int = typer.Option(10, "--top", min=1, help="How many ranked plans to show."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
@@ -32,7 +34,8 @@ def plan(
     from frenzy_prefect.spec.cluster import ClusterSpec, ClusterState
 
     spec = resolve_model(model, seq_len=seq_len)
-    request = training_request(model, global_batch, seq_len, precision, optimizer, attention, master_weights)
+    pin = {"tp": tp, "pp": pp} if tp is not None or pp is not None else None
+    request = training_request(model, global_batch, seq_len, precision, optimizer, attention, master_weights, pin)
     state = ClusterState.idle(ClusterSpec.from_file(cluster))
     candidates = allocator.candidate_plans(spec, request, state.cluster)
     chosen = allocator.allocate(candidates, state)

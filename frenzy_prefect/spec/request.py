@@ -32,8 +32,30 @@ class OptimizerSettings(BaseModel):
         return 4 if self.momentum > 0 else 0
 
 
+class PlanPin(BaseModel):
+    """Parts of the parallel plan a user fixes (a Megatron user's tp and pp, say); the allocator
+    chooses the rest, the GPU type and the nodes, and still refuses a plan that does not fit."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dp: PositiveInt | None = None
+    tp: PositiveInt | None = None
+    pp: PositiveInt | None = None
+    micro_batch: PositiveInt | None = None
+    zero: Literal[0, 1, 2, 3] | None = None
+    recompute: Literal["none", "selective", "full"] | None = None
+
+    def admits(self, plan: Any) -> bool:
+        """Whether ``plan`` (a ParallelPlan) has every field pinned here."""
+        return all(getattr(plan, name) == value for name, value in self.model_dump(exclude_none=True).items())
+
+    def label(self) -> str:
+        return " ".join(f"{name}={value}" for name, value in self.model_dump(exclude_none=True).items()) or "nothing pinned"
+
+
 class TrainingRequest(BaseModel):
-    """The serverless interface: no GPU type, count or parallelism is named here."""
+    """The serverless interface: no GPU type or count is named here, nor parallelism unless the
+    user pins part of it (``plan``)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -56,6 +78,10 @@ class TrainingRequest(BaseModel):
         ),
     )
     optimizer: OptimizerSettings = Field(default_factory=OptimizerSettings)
+    plan: PlanPin | None = Field(
+        default=None,
+        description="Fix parts of the parallel plan, e.g. {'tp': 2, 'pp': 2}; the allocator chooses the rest. Default: all of it.",
+    )
     seed: NonNegativeInt = 0
     output: str | None = Field(
         default=None,
