@@ -29,6 +29,8 @@ DTensor offsets).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -38,6 +40,7 @@ import torch.distributed.checkpoint as dcp
 from pydantic import BaseModel, Field
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
@@ -293,7 +296,9 @@ def save(engine: Engine, prefix: str, step: int, losses: list[float], keep: int)
     if rank0:
         _remove(uri)  # a torn write of this step by an earlier attempt
     _barrier()
-    dcp.save(training_state(engine), storage_writer=FsspecWriter(uri, sync_files=False, **filesystem_options(uri)), planner=_SavePlanner())
+    writer = FsspecWriter(uri, sync_files=False, **filesystem_options(uri))
+    with _storage_failures(uri):
+        dcp.save(training_state(engine), storage_writer=writer, planner=_SavePlanner())
     _barrier()  # every rank's files are written
     seconds = time.perf_counter() - started
     if rank0:
@@ -318,7 +323,8 @@ def load(engine: Engine, uri: str, manifest: Manifest) -> None:
     if tensors is None:
         _fresh_states(engine)
     state = training_state(engine, tensors)
-    dcp.load(state, storage_reader=FsspecReader(uri, **filesystem_options(uri)), planner=_LoadPlanner())
+    with _storage_failures(uri):
+        dcp.load(state, storage_reader=FsspecReader(uri, **filesystem_options(uri)), planner=_LoadPlanner())
     if tensors is not None:
         _load_deepspeed(engine, tensors)
     engine.schedule.load_state_dict(state["schedule"])
@@ -342,6 +348,19 @@ def prune(prefix: str, keep: int) -> None:
     for name in names:
         if name.startswith("step-") and _step_of(name) < oldest:
             _remove(f"{prefix.rstrip('/')}/{name}")
+
+
+@contextmanager
+def _storage_failures(uri: str) -> Iterator[None]:
+    """DCP gathers the ranks' failures into one CheckpointException (a BaseException, which
+    ``together`` would not catch): the first rank's own exception instead, a stalled or
+    unreachable endpoint as a StorageUnreachable naming the URI (``storage.reaching``)."""
+    try:
+        yield
+    except CheckpointException as exc:
+        first, _ = next(iter(exc.failures.values()))
+        with reaching(uri):
+            raise first from None
 
 
 def _step_of(uri: str) -> int:
