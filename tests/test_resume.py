@@ -216,17 +216,22 @@ def _rank_processes(agent_pids: list[int]) -> dict[int, psutil.Process]:
 
 def test_with_max_restarts_a_lost_rank_restarts_the_ranks_from_the_last_checkpoint(dataset, reference):
     _, ref = reference
-    job = job_of(dataset, "restarted", DP2, max_restarts=1)
+    # A checkpoint after every step, so that rank 1 dies with most of the run still ahead of it
+    # (checkpointing more often changes no loss).
+    job = job_of(dataset, "restarted", DP2, max_restarts=1, checkpoint_every=1)
     killed: list[int] = []
 
-    def kill_rank_1_after_step_3() -> None:
-        _wait_for(lambda: complete_checkpoints(job.checkpoint_uri), 180, "no checkpoint was written")
+    def rank_1() -> psutil.Process | None:
         agents = [p.pid for p in psutil.Process().children(recursive=True) if "frenzy_prefect.launch.agent" in " ".join(p.cmdline())]
-        victim = _rank_processes(agents)[1]
+        return _rank_processes(agents).get(1)
+
+    def kill_rank_1_after_a_checkpoint() -> None:
+        _wait_for(lambda: complete_checkpoints(job.checkpoint_uri) and rank_1(), 180, "no checkpoint while rank 1 ran")
+        victim = rank_1()
         killed.append(victim.pid)
         victim.send_signal(signal.SIGKILL)
 
-    killer = threading.Thread(target=kill_rank_1_after_step_3)
+    killer = threading.Thread(target=kill_rank_1_after_a_checkpoint)
     killer.start()
     code, _ = launch(job)
     killer.join()
