@@ -326,14 +326,14 @@ class Engine:
         if plan.zero == 3:
             clip_sharded_gradients(self.model, max_norm)
             return
-        squares = torch.zeros((), device=self.device)
-        for name, p in self.model.named_parameters():
-            if self.groups and self.groups.tp.rank > 0 and not is_tp_sharded(name):
-                continue
-            if name == "head.weight" and not self.first and self.spec.tied_embeddings:
-                continue
-            squares += torch.linalg.vector_norm(self._grad(p).detach(), dtype=torch.float32) ** 2
-        if dist.is_initialized() and plan.gpus > 1:
+        counted = [
+            self._grad(p).detach()
+            for name, p in self.model.named_parameters()
+            if not (self.groups and self.groups.tp.rank > 0 and not is_tp_sharded(name))
+            and not (name == "head.weight" and not self.first and self.spec.tied_embeddings)
+        ]
+        squares = torch.nn.utils.get_total_norm(counted).float() ** 2
+        if dist.is_initialized() and plan.tp * plan.pp > 1:  # data-parallel replicas hold the same averaged gradients
             dist.all_reduce(squares)
             squares /= plan.dp
         scale = (max_norm / (squares.sqrt() + 1e-6)).clamp(max=1.0)
