@@ -4,7 +4,8 @@ one `frenzy` worker, the example cluster's local "GPUs"), in one run on one mach
 - tokens/s of the flow's training (the `distributed-train/frenzy` deployment: worker, torchrun,
   the engine, reads through s3fs, sharded checkpoints excluded) against a bare torchrun DDP script
   of the same model, data, batch and optimizer (``bare_ddp.py``), both over the steps after the
-  first;
+  first (the baseline runs before and after the flow's run, and their mean is compared, as a
+  shared machine's load drifts);
 - checkpoint cost: seconds per checkpoint, and its share of the training time at the run's
   ``checkpoint_every``;
 - submit -> first step with a warm worker: the run's scheduled time -> its "step 1/" log line
@@ -66,9 +67,11 @@ def main() -> None:
         fs, _ = filesystem(DATASET)
         fs.mkdir(BUCKET)
         fs.put_file(str(tokens), DATASET.removeprefix("s3://"))
+        before = bare_ddp(args, tokens, 2)  # the flow's plan is dp=2, as bare_ddp
         with stack.client_settings():
             flow_run = _flow_training(args, stack, model)
-        bare = bare_ddp(args, tokens, flow_run["ranks"])
+        after = bare_ddp(args, tokens, 2)
+    bare = {"tokens_per_s": (before["tokens_per_s"] + after["tokens_per_s"]) / 2, "runs": [before["tokens_per_s"], after["tokens_per_s"]]}
 
     ours = flow_run["tokens_per_s"]
     checkpoint_s = flow_run["checkpoint_s"]
@@ -81,6 +84,7 @@ def main() -> None:
         "steps": args.steps,
         "flow_tokens_per_s": ours,
         "bare_ddp_tokens_per_s": bare["tokens_per_s"],
+        "bare_ddp_runs_tokens_per_s": bare["runs"],
         "tokens_per_s_overhead": 1 - ours / bare["tokens_per_s"],
         "checkpoint_every": args.checkpoint_every,
         "checkpoint_s": checkpoint_s,
