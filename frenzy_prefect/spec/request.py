@@ -92,7 +92,7 @@ class TrainingRequest(BaseModel):
         default=None,
         description=(
             "Write a sharded checkpoint every this many steps (and after the last). Default: after the first step, then "
-            "as often as keeps checkpointing within 5% of training time (the first checkpoint's measured save time "
+            "as often as keeps checkpointing within 5% of training time (the last checkpoint's measured save time "
             "over 5% of a step's)."
         ),
     )

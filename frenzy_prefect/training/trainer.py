@@ -5,6 +5,7 @@ complete checkpoint (``checkpoint.py``)."""
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable
 
@@ -129,7 +130,7 @@ def _run_steps(
     request, plan, device = job.request, job.allocation.plan, ctx.device
     losses = list(resumed.losses) if resumed else []
     first = resumed.step + 1 if resumed else 1
-    every = request.checkpoint_every or 1  # by default: measured at this attempt's first step
+    every = request.checkpoint_every or 1  # by default: measured at this attempt's first step, then at each checkpoint
     last_saved, final = first - 1, checkpoint.step_uri(job.checkpoint_uri, first - 1) if resumed else None
     tokens_per_step = request.global_batch * request.seq_len
     loss_ranks = ctx.world_size // plan.pp  # the last stage's ranks report the loss
@@ -148,16 +149,19 @@ def _run_steps(
             rate = (step - first + 1) * tokens_per_step / (time.perf_counter() - started)
             log(f"step {step}/{request.steps} loss {losses[-1]:.4f} ({rate:,.0f} tokens/s over {ctx.world_size} ranks)")
         if step - last_saved >= every or step == request.steps:
-            step_s = (time.perf_counter() - started) / (step - first + 1)
             final, save_s = together(
                 ctx,
                 lambda: checkpoint.save(engine, job.checkpoint_uri, step, losses, request.keep_checkpoints),  # noqa: B023 (called at once)
             )
             log(f"checkpoint of step {step} written to {final} in {save_s:.2f} s")
             timings["checkpoint"].append(save_s)
-            if request.checkpoint_every is None and step == first:
-                every = _agreed_interval(ctx, save_s, step_s)
-                log(f"checkpointing every {every} steps (a checkpoint takes {save_s:.2f} s, a step {step_s:.2f} s)")
+            if request.checkpoint_every is None and step < request.steps:
+                # The steps after the first (which also warms up), once there are some.
+                step_s = statistics.mean(timings["step"][1:] or timings["step"])
+                interval = _agreed_interval(ctx, save_s, step_s)
+                if interval != every:
+                    log(f"checkpointing every {interval} steps (a checkpoint takes {save_s:.2f} s, a step {step_s:.2f} s)")
+                every = interval
             last_saved = step
             started += save_s  # the step rate counts training only
     return losses, final, timings
