@@ -320,7 +320,7 @@ def test_with_max_restarts_a_killed_rank_restarts_the_ranks_from_the_last_checkp
 
     from .test_worker import rank_pid
 
-    run_id = start_stepping(stack, dataset, "restarted", steps=40, max_restarts=1, checkpoint_every=5)
+    run_id = start_stepping(stack, dataset, "restarted-through-the-pool", steps=40, max_restarts=1, checkpoint_every=5)
     with stack.client_settings():
         with get_client(sync_client=True) as client:
             run_logs = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id]))
