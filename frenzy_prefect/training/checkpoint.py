@@ -221,39 +221,37 @@ def _deepspeed_partitions(engine: Engine) -> tuple[torch.optim.Optimizer, list[t
     return inner, partitions
 
 
-def _deepspeed_tensors(engine: Engine) -> list[tuple[str, torch.nn.Parameter, dict[str, torch.Tensor]]]:
-    """(name, parameter, its whole optimizer states gathered over the data-parallel partitions) of
-    a ZeRO-2 rank. A collective: every rank calls it, parameters in the same order."""
+def _deepspeed_state(engine: Engine) -> tuple[dict, dict, list[tuple[torch.nn.Parameter, dict[str, torch.Tensor]]]]:
+    """(model, optimizer states, gathered) of a ZeRO-2 rank: every parameter's fp32 weight
+    (DeepSpeed keeps it whole on every replica) and its optimizer states gathered over the
+    data-parallel partitions (the replicas' equal pieces are written once); ``gathered``: each
+    parameter with those whole states, for a load to scatter back. A collective: every rank calls
+    it, parameters in the same order."""
     from deepspeed.utils import safe_get_full_optimizer_state
 
     inner, partitions = _deepspeed_partitions(engine)
-    kinds = [k for k, t in inner.state[partitions[0]].items() if t.dim()]  # not the step count
-    return [(name, p, {k: safe_get_full_optimizer_state(p, k) for k in kinds}) for name, p in engine.model.named_parameters()]
-
-
-def _deepspeed_state(engine: Engine, tensors) -> tuple[dict, dict]:
-    """(model, optimizer states) of a ZeRO-2 rank: every parameter's fp32 weight (DeepSpeed keeps
-    it whole on every replica) and its gathered states; the replicas' equal pieces are written once."""
-    inner, partitions = _deepspeed_partitions(engine)
     step = inner.state[partitions[0]].get("step")
-    model, optim = {}, {}
-    for name, p, states in tensors:
+    kinds = [k for k, t in inner.state[partitions[0]].items() if t.dim()]  # not the step count
+    model, optim, gathered = {}, {}, []
+    for name, p in engine.model.named_parameters():
         key, place = _whole_name(engine, name), _placing(engine, name, p)
+        states = {k: safe_get_full_optimizer_state(p, k) for k in kinds}
+        gathered.append((p, states))
         model[key] = place(p.detach())
         for k, t in states.items():
             optim.setdefault(k, {})[key] = place(t)
         if step is not None:
             optim.setdefault("step", {})[key] = step
-    return model, optim
+    return model, optim, gathered
 
 
-def _load_deepspeed(engine: Engine, tensors) -> None:
-    """After DCP loaded into the weights and ``tensors``' states in place: scatter them into
+def _load_deepspeed(engine: Engine, gathered) -> None:
+    """After DCP loaded into the weights and ``gathered``'s states in place: scatter them into
     DeepSpeed's fp32 partitions, and give every partition the loaded step count."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     inner, partitions = _deepspeed_partitions(engine)
-    for _, p, states in tensors:
+    for p, states in gathered:
         safe_set_full_fp32_param(p, p.detach())
         for k, t in states.items():
             safe_set_full_optimizer_state(p, t, k)
@@ -262,12 +260,12 @@ def _load_deepspeed(engine: Engine, tensors) -> None:
             inner.state[flat]["step"] = inner.state[partitions[0]]["step"].clone()
 
 
-def training_state(engine: Engine, tensors=None) -> dict:
-    """This rank's share of the training state, keyed by the whole model's names (see module doc);
-    ``tensors``: ZeRO-2's gathered states to load into (``_deepspeed_tensors``)."""
+def training_state(engine: Engine) -> tuple[dict, list | None]:
+    """This rank's share of the training state, keyed by the whole model's names (see module
+    doc), and (ZeRO-2) the gathered states a load scatters back (``_deepspeed_state``)."""
     if engine.deepspeed is not None:
-        model, optim = _deepspeed_state(engine, tensors or _deepspeed_tensors(engine))
-        return {"model": model, "optim": optim, "schedule": engine.schedule.state_dict()}
+        model, optim, gathered = _deepspeed_state(engine)
+        return {"model": model, "optim": optim, "schedule": engine.schedule.state_dict()}, gathered
     masters = {id(p): master for p, master in engine.masters}
     inner = _inner_optimizer(engine)
     stepped = {id(t) for group in inner.param_groups for t in group["params"]}
@@ -285,7 +283,7 @@ def training_state(engine: Engine, tensors=None) -> dict:
     state = {"model": model, "optim": optim, "schedule": engine.schedule.state_dict()}
     if engine.scaler.is_enabled():
         state["scaler"] = engine.scaler.state_dict()
-    return state
+    return state, None
 
 
 def save(engine: Engine, prefix: str, step: int, losses: list[float], keep: int) -> tuple[str, float]:
@@ -298,7 +296,7 @@ def save(engine: Engine, prefix: str, step: int, losses: list[float], keep: int)
     _barrier()
     writer = FsspecWriter(uri, sync_files=False, **filesystem_options(uri))
     with _storage_failures(uri):
-        dcp.save(training_state(engine), storage_writer=writer, planner=_SavePlanner())
+        dcp.save(training_state(engine)[0], storage_writer=writer, planner=_SavePlanner())
     _barrier()  # every rank's files are written
     seconds = time.perf_counter() - started
     if rank0:
@@ -319,14 +317,13 @@ def load(engine: Engine, uri: str, manifest: Manifest) -> None:
             f"the checkpoint at {uri} pads the vocabulary to {rows} rows (tp={manifest.plan.tp}) and this plan to {ours}: "
             "resume with a tp whose padding matches"
         )
-    tensors = _deepspeed_tensors(engine) if engine.deepspeed is not None else None
-    if tensors is None:
+    if engine.deepspeed is None:
         _fresh_states(engine)
-    state = training_state(engine, tensors)
+    state, gathered = training_state(engine)
     with _storage_failures(uri):
         dcp.load(state, storage_reader=FsspecReader(uri, **filesystem_options(uri)), planner=_LoadPlanner())
-    if tensors is not None:
-        _load_deepspeed(engine, tensors)
+    if gathered is not None:
+        _load_deepspeed(engine, gathered)
     engine.schedule.load_state_dict(state["schedule"])
     for group, lr in zip(engine.optimizer.param_groups, engine.schedule.get_last_lr(), strict=True):
         group["lr"] = lr
