@@ -10,7 +10,7 @@ from frenzy_prefect.errors import FrenzyError, NoFeasiblePlan
 from frenzy_prefect.memory.analytic import estimate
 from frenzy_prefect.spec.cluster import ClusterSpec
 from frenzy_prefect.spec.gpu import GpuType
-from frenzy_prefect.spec.layout import check_engine_plan, tp_splits
+from frenzy_prefect.spec.layout import check_engine_plan, tp_splits, zero_runs_with
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import ParallelPlan, PlanCandidate
 from frenzy_prefect.spec.request import TrainingRequest
@@ -46,7 +46,7 @@ def plan_space(model: ModelSpec, global_batch: int, max_gpus: int, node_gpus: in
             for pp in pps:
                 if dp * tp * pp > max_gpus:
                     break
-                zeros = ((0, 1, 2, 3) if tp == pp == 1 else (0, 1, 2) if pp == 1 else (0, 1)) if dp > 1 else (0,)
+                zeros = [z for z in (0, 1, 2, 3) if zero_runs_with(z, tp, pp)] if dp > 1 else [0]
                 for micro_batch in _divisors(global_batch // dp):
                     for zero in zeros:
                         for recompute in ("none", "selective", "full"):

@@ -16,15 +16,22 @@ from frenzy_prefect.spec.plan import ParallelPlan
 from frenzy_prefect.spec.request import Precision, check_master_weights
 
 
+def zero_runs_with(zero: int, tp: int, pp: int) -> bool:
+    """Whether ZeRO stage ``zero`` combines with tp and pp: ZeRO-2 runs through DeepSpeed, which
+    refuses pipelines (its runtime/pipe/engine.py); ZeRO-3 through FSDP2, over data parallelism alone."""
+    return not (zero == 2 and pp > 1 or zero == 3 and (tp > 1 or pp > 1))
+
+
 def check_plan(model: ModelSpec, plan: ParallelPlan) -> None:
     """Reject plans the model cannot be split into, naming the accepted values."""
     check_tp(model, plan.tp)
     if plan.pp > model.layers:
         raise FrenzyError(f"pp ({plan.pp}) must not exceed the number of layers ({model.layers}); accepted: 1..{model.layers}")
-    if plan.zero == 2 and plan.pp > 1:  # DeepSpeed's own rule (runtime/pipe/engine.py)
+    if zero_runs_with(plan.zero, plan.tp, plan.pp):
+        return
+    if plan.zero == 2:
         raise FrenzyError(f"zero=2 runs through DeepSpeed, which refuses it with pipelines; use pp=1, or zero 0 or 1 with pp={plan.pp}")
-    if plan.zero == 3 and (plan.tp > 1 or plan.pp > 1):
-        raise FrenzyError("zero=3 runs through FSDP2 here, over data parallelism only; use tp=1 and pp=1, or zero=0 or 1 with tp/pp")
+    raise FrenzyError("zero=3 runs through FSDP2 here, over data parallelism only; use tp=1 and pp=1, or zero=0 or 1 with tp/pp")
 
 
 def check_engine_plan(spec: ModelSpec, plan: ParallelPlan, precision: Precision, master_weights: bool = False) -> None:
