@@ -134,7 +134,6 @@ def _run_steps(
     last_saved, final = first - 1, checkpoint.step_uri(job.checkpoint_uri, first - 1) if resumed else None
     tokens_per_step = request.global_batch * request.seq_len
     loss_ranks = ctx.world_size // plan.pp  # the last stage's ranks report the loss
-    started = time.perf_counter()
     timings: dict[str, list[float]] = {"step": [], "checkpoint": []}
     for step in range(first, request.steps + 1):
         began = time.perf_counter()
@@ -146,7 +145,7 @@ def _run_steps(
         losses.append(step_loss.item() / loss_ranks)
         timings["step"].append(time.perf_counter() - began)
         if step == first or step % request.log_every == 0 or step == request.steps:
-            rate = (step - first + 1) * tokens_per_step / (time.perf_counter() - started)
+            rate = len(timings["step"]) * tokens_per_step / sum(timings["step"])  # training only, not checkpoints
             log(f"step {step}/{request.steps} loss {losses[-1]:.4f} ({rate:,.0f} tokens/s over {ctx.world_size} ranks)")
         if step - last_saved >= every or step == request.steps:
             final, save_s = together(
@@ -163,7 +162,6 @@ def _run_steps(
                     log(f"checkpointing every {interval} steps (a checkpoint takes {save_s:.2f} s, a step {step_s:.2f} s)")
                 every = interval
             last_saved = step
-            started += save_s  # the step rate counts training only
     return losses, final, timings
 
 
