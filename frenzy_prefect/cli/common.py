@@ -73,6 +73,15 @@ def print_metrics(title: str, rows: list[tuple[str, str]]) -> None:
     Console().print(table)
 
 
+# Options shared by the memory commands and `frenzy plan`.
+ATTENTION = typer.Option("flash", "--attention", help="flash (fused, no s^2 scores) or eager (scores materialised).")
+MASTER_WEIGHTS = typer.Option(
+    False,
+    "--master-weights",
+    help="frenzy: bf16/fp16 weights, fp32 main gradients and fp32 master weights in the optimizer (default: fp32 weights under autocast).",
+)
+
+
 def training_request(
     model: str,
     global_batch: int,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from frenzy_prefect.cli.common import echo_json, gpu_type, training_request
+from frenzy_prefect.cli.common import ATTENTION, MASTER_WEIGHTS, echo_json, gpu_type, training_request
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.memory.frameworks import FsdpOptions, MegatronOptions, check_framework
 from frenzy_prefect.memory.report import PerRank, estimated_per_rank, memory_report
@@ -111,12 +111,6 @@ FRAMEWORK = typer.Option(
     "frenzy",
     "--framework",
     help="Whose execution of the plan: frenzy (this engine), megatron (Megatron-LM) or fsdp (torchtitan FSDP2); measure: frenzy.",
-)
-ATTENTION = typer.Option("flash", "--attention", help="flash (fused, no s^2 scores) or eager (scores materialised).")
-MASTER_WEIGHTS = typer.Option(
-    False,
-    "--master-weights",
-    help="frenzy: bf16/fp16 weights, fp32 main gradients and fp32 master weights in the optimizer (default: fp32 weights under autocast).",
 )
 SEQUENCE_PARALLEL = typer.Option(
     None,

@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from frenzy_prefect.cli.common import echo_json, training_request
+from frenzy_prefect.cli.common import ATTENTION, MASTER_WEIGHTS, echo_json, training_request
 from frenzy_prefect.units import gib
 
 
@@ -19,10 +19,8 @@ def plan(
     cluster: Path = typer.Option(..., "--cluster", help="Cluster file (YAML or JSON)."),
     precision: str = typer.Option("bf16", "--precision", help="fp32, bf16 or fp16."),
     optimizer: str = typer.Option("adamw", "--optimizer", help="adamw, adam or sgd."),
-    attention: str = typer.Option("flash", "--attention", help="flash (fused) or eager attention."),
-    master_weights: bool = typer.Option(
-        False, "--master-weights", help="bf16/fp16 weights, fp32 main gradients and fp32 masters (default: fp32 weights under autocast)."
-    ),
+    attention: str = ATTENTION,
+    master_weights: bool = MASTER_WEIGHTS,
     tp: int | None = typer.Option(None, "--tp", help="Pin the tensor-parallel degree (default: the allocator chooses)."),
     pp: int | None = typer.Option(None, "--pp", help="Pin the pipeline depth (default: the allocator chooses)."),
     top: int = typer.Option(10, "--top", min=1, help="How many ranked plans to show."),
