@@ -53,6 +53,9 @@ class PlanPin(BaseModel):
         return " ".join(f"{name}={value}" for name, value in self.model_dump(exclude_none=True).items()) or "nothing pinned"
 
 
+Resilience = Literal["restart", "recycle"]
+
+
 class TrainingRequest(BaseModel):
     """The serverless interface: no GPU type or count is named here, nor parallelism unless the
     user pins part of it (``plan``)."""
@@ -100,6 +103,20 @@ class TrainingRequest(BaseModel):
     max_restarts: NonNegativeInt = Field(
         default=0,
         description="Restarts of all ranks after a rank fails (torchrun's --max-restarts); each resumes from the last checkpoint.",
+    )
+
+    resilience: Resilience = Field(
+        default="restart",
+        description=(
+            "What a rank's failure does. 'restart': the run fails, or torchrun restarts every rank from the last checkpoint "
+            "(max_restarts). 'recycle' (ReCycle): the failed stage's micro-batches run on its live peers in the other "
+            "pipelines, without a restart, and a replacement rank rejoins at an iteration boundary; needs a ZeRO-0 "
+            "pipeline plan with dp >= 2 and pp >= 2."
+        ),
+    )
+    max_replacements: NonNegativeInt = Field(
+        default=3,
+        description="Resilience 'recycle': how many times a failed rank's trainer is started again to rejoin (0: train on without it).",
     )
 
     @model_validator(mode="after")

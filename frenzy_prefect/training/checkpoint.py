@@ -18,7 +18,7 @@ reshards on load: another dp, tp, pp or ZeRO stage reads the pieces it needs. Re
 deduplicates identical pieces. Saved: the fp32 weights (the masters, with master weights), the
 optimizer's per-parameter states under the same names (Adam's exp_avg, exp_avg_sq and step),
 the LR schedule and the fp16 loss scaler. The data sampler needs no state: a step's batch is a
-function of (seed, step) (trainer.step_batches), so the step in the manifest is its position.
+function of (seed, step) (data.replica_batches), so the step in the manifest is its position.
 
 Modes: plain/DDP, tp, pp, ZeRO-1 (each replica saves the states it steps, and the masters it
 owns), ZeRO-2 (DeepSpeed's own API gathers and scatters each parameter's fp32 weight and states

@@ -1,4 +1,5 @@
-"""Random training windows read from a token file in object storage (nanoGPT-style sampling)."""
+"""Random training windows read from a token file in object storage (nanoGPT-style sampling), and
+each step's share of them by replica."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import numpy as np
 import torch
 
 from frenzy_prefect.spec.dataset import DatasetInfo
+from frenzy_prefect.spec.plan import TrainingJob
 from frenzy_prefect.storage import filesystem, reaching
 
 
@@ -43,3 +45,24 @@ class TokenWindows:
 
     def close(self) -> None:
         self._file.close()
+
+
+def step_seed(seed: int, step: int) -> int:
+    return seed * 1_000_003 + step
+
+
+def replica_batches(job: TrainingJob, data: TokenWindows, replica: int, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Data-parallel replica ``replica``'s micro-batches of optimizer step ``step``. The step's
+    global batch is a function of (seed, step) alone, and replica r takes its r-th share of it in
+    order: any plan (dp, micro-batch) trains on the same sequences at the same step, and a resumed
+    run (on this plan or another) on what the uninterrupted one would have."""
+    request, plan = job.request, job.allocation.plan
+    starts = data.starts(torch.Generator().manual_seed(step_seed(request.seed, step)), request.global_batch)
+    share = request.global_batch // plan.dp
+    mine = starts[replica * share : (replica + 1) * share]
+    return [data.windows(mine[i : i + plan.micro_batch]) for i in range(0, share, plan.micro_batch)]
+
+
+def step_batches(job: TrainingJob, data: TokenWindows, rank: int, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Rank ``rank``'s micro-batches of step ``step`` (its replica's)."""
+    return replica_batches(job, data, job.allocation.plan.coordinates(rank)[1], step)

@@ -50,16 +50,21 @@ class DistributedContext(BaseModel):
     def backend(self) -> str:
         return "nccl" if torch.cuda.is_available() else "gloo"
 
-    def init_process_group(self) -> None:
-        """Join the job's process group (env:// under torchrun; a private one for a lone process)."""
+    def rendezvous(self) -> dist.Store:
+        """A connection to the job's store (torchrun's agent hosts it under torchrun; a private
+        one for a lone process), under this attempt's prefix: torchrun's agent keeps its store
+        when it restarts the ranks (max_restarts), and each attempt needs its own keys, or its
+        ranks would connect to the last attempt's addresses."""
+        init = "env://" if "MASTER_ADDR" in os.environ else f"tcp://127.0.0.1:{free_port()}"
+        store, _, _ = next(dist.rendezvous(init, self.rank, self.world_size, timeout=INIT_TIMEOUT))
+        return dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+    def init_process_group(self, store: dist.Store | None = None) -> None:
+        """Join the job's process group on ``store`` (default: a new rendezvous)."""
         if torch.cuda.is_available():
             torch.cuda.set_device(self.device)
-        init = "env://" if "MASTER_ADDR" in os.environ else f"tcp://127.0.0.1:{free_port()}"
-        store, rank, world_size = next(dist.rendezvous(init, self.rank, self.world_size, timeout=INIT_TIMEOUT))
-        # torchrun's agent hosts the store and keeps it when it restarts the ranks (max_restarts):
-        # each attempt gets its own keys, or its ranks would connect to the last attempt's addresses.
-        attempt = dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-        dist.init_process_group(self.backend, store=attempt, rank=rank, world_size=world_size, timeout=INIT_TIMEOUT)
+        store = store or self.rendezvous()
+        dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world_size, timeout=INIT_TIMEOUT)
 
 
 class PeerFailed(RuntimeError):
@@ -76,19 +81,20 @@ def together(ctx: DistributedContext, action: Callable[[], T]) -> T:
         result, error = action(), None
     except Exception as exc:
         result, error = None, exc
-    if ctx.world_size == 1 or not dist.is_initialized():
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         if error is not None:
             raise error
         return result
+    rank, world_size = dist.get_rank(), dist.get_world_size()  # (ReCycle may run on with fewer ranks than the job's)
     failed = torch.tensor([error is not None], dtype=torch.int32, device=ctx.device)
     dist.all_reduce(failed)
     if not failed.item():
         return result
-    reports: list[tuple[bool, str] | None] = [None] * ctx.world_size
+    reports: list[tuple[bool, str] | None] = [None] * world_size
     report = None if error is None else (isinstance(error, StorageUnreachable), f"{type(error).__name__}: {error}")
     dist.all_gather_object(reports, report)
     failed_ranks = [r for r, rep in enumerate(reports) if rep is not None]
-    if ctx.rank != 0:
+    if rank != 0:
         raise PeerFailed(f"rank {ctx.rank} stops: rank 0 reports the failure of rank(s) {failed_ranks}") from error
     if error is not None:
         raise error

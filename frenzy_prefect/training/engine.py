@@ -33,7 +33,7 @@ ZeRO-3 uses FSDP2's own mixed precision (its sharded fp32 parameters are the mas
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -94,35 +94,36 @@ def half_weights(params: list[torch.nn.Parameter], dtype: torch.dtype, keep: lis
 @dataclass
 class Groups:
     """This rank's process groups: its tensor-parallel group, its data-parallel group (the same
-    stage and tp rank in every replica), and its pipeline's first and last stage (tied embedding)."""
+    stage and tp rank in every live replica) and the copies of the tied embedding (the first and
+    last stage of every live pipeline, same tp rank)."""
 
     tp: TensorParallel
     dp: object
-    tied: object  # first and last stage of this pipeline, which share the embedding
+    replicas: int  # live ranks in the data-parallel group
+    tied: object
 
     @classmethod
-    def build(cls, plan: ParallelPlan, rank: int) -> Groups:
+    def build(cls, plan: ParallelPlan, rank: int, live: Sequence[int]) -> Groups:
+        """Groups over the ``live`` global ranks (all of them, unless ReCycle runs without some),
+        each named by its rank in the current process group (the position in ``live``)."""
         stage, replica, tp_rank = plan.coordinates(rank)
+        position = {r: i for i, r in enumerate(live)}
+
+        def group(ranks: Iterable[int]):
+            members = [position[r] for r in ranks if r in position]
+            return dist.new_group(members) if members else None  # (new_group([]) would be the whole world)
+
         # Every rank creates every group, in the same order (torch.distributed requires it).
-        tp_groups = {
-            (s, d): dist.new_group([plan.rank_of(s, d, t) for t in range(plan.tp)]) for s in range(plan.pp) for d in range(plan.dp)
-        }
-        dp_groups = {
-            (s, t): dist.new_group([plan.rank_of(s, d, t) for d in range(plan.dp)]) for s in range(plan.pp) for t in range(plan.tp)
-        }
-        tied = (
-            {
-                (d, t): dist.new_group([plan.rank_of(0, d, t), plan.rank_of(plan.pp - 1, d, t)])
-                for d in range(plan.dp)
-                for t in range(plan.tp)
-            }
-            if plan.pp > 1
-            else {}
-        )
+        if plan.tp > 1:
+            tp_groups = {(s, d): group(plan.rank_of(s, d, t) for t in range(plan.tp)) for s in range(plan.pp) for d in range(plan.dp)}
+        dp_groups = {(s, t): group(plan.rank_of(s, d, t) for d in range(plan.dp)) for s in range(plan.pp) for t in range(plan.tp)}
+        ends = (0, plan.pp - 1)
+        tied = {t: group(plan.rank_of(s, d, t) for s in ends for d in range(plan.dp)) for t in range(plan.tp)} if plan.pp > 1 else {}
         return cls(
-            tp=TensorParallel(rank=tp_rank, size=plan.tp, group=tp_groups[stage, replica]),
+            tp=TensorParallel(rank=tp_rank, size=plan.tp, group=tp_groups[stage, replica]) if plan.tp > 1 else TensorParallel(),
             dp=dp_groups[stage, tp_rank],
-            tied=tied.get((replica, tp_rank)),
+            replicas=sum(plan.rank_of(stage, d, tp_rank) in position for d in range(plan.dp)),
+            tied=tied.get(tp_rank),
         )
 
 
@@ -144,6 +145,7 @@ class Engine:
         device: torch.device = torch.device("cpu"),
         lr_factor: Callable[[int], float] = lambda step: 1.0,
         backward: Backward = "fused",
+        live: Sequence[int] | None = None,
     ):
         check_engine_plan(spec, plan, precision, master_weights)
         self.spec, self.plan, self.settings, self.device = spec, plan, optimizer, device
@@ -153,7 +155,10 @@ class Engine:
         # Autocast over fp32 weights, or (master weights) half weights and no autocast.
         self.amp_dtype = None if master_weights else half
         self.hidden_dtype = half if master_weights else torch.float32  # the residual stream a stage passes on
-        self.groups = Groups.build(plan, rank) if dist.is_initialized() else None
+        # ``live``: the global ranks in the process group, in its order (ReCycle: not all of them).
+        self.rank, live = rank, list(range(plan.gpus) if live is None else live)
+        self.position = {r: i for i, r in enumerate(live)}  # a global rank's rank in the process group
+        self.groups = Groups.build(plan, rank, live) if dist.is_initialized() else None
         torch.manual_seed(seed)  # the whole model drawn alike on every rank (and sliced, when split)
         if plan.tp == 1 and plan.pp == 1:
             self.model = Decoder(spec, plan.recompute, attention=attention)
@@ -209,13 +214,34 @@ class Engine:
             stage=self.stage,
             pp=self.plan.pp,
             dp=self.plan.dp,
-            rank_of=lambda stage, pipeline: self.plan.rank_of(stage, pipeline, tp_rank),
+            rank_of=lambda stage, pipeline: self.position[self.plan.rank_of(stage, pipeline, tp_rank)],
             autocast=self._autocast,
             scale=self.scaler.scale,
             hidden=(self.spec.hidden, self.hidden_dtype),
             main_grads=self.main_grads,
             device=self.device,
         )
+
+    def regroup(self, live: Sequence[int]) -> None:
+        """Rebuild this rank's groups over the ``live`` global ranks after the caller re-formed the
+        process group over them, in that order (ReCycle: without failed ranks, or with rejoined ones)."""
+        if self.ddp is not None or self.deepspeed is not None or self.plan.zero > 0:
+            raise FrenzyError(f"only ZeRO-0 pipelines run on after a failure; this engine runs {self.plan.label()}")
+        self.position = {r: i for i, r in enumerate(live)}
+        self.groups = Groups.build(self.plan, self.rank, live)
+
+    def leave_groups(self) -> None:
+        """Drop this engine's references to its process groups (ReCycle, after a failure): a gloo
+        group's connections close only when nothing holds it any more."""
+        self.groups = None
+
+    def discard_gradients(self) -> None:
+        """Forget the gradients of an iteration a failure interrupted (it is run again)."""
+        for p in self.model.parameters():
+            if self.main_grads:
+                p.main_grad.zero_()
+            elif p.grad is not None:
+                p.grad.zero_()
 
     def _grad(self, p: torch.nn.Parameter) -> torch.Tensor:
         """The gradient the optimizer reads: the fp32 main gradient with master weights."""
@@ -240,11 +266,21 @@ class Engine:
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
 
-    def step(self, micro_batches: list[MicroBatch], *, schedule: Schedule | None = None, source: MicroBatchSource | None = None) -> float:
+    def step(
+        self,
+        micro_batches: list[MicroBatch],
+        *,
+        schedule: Schedule | None = None,
+        source: MicroBatchSource | None = None,
+        commit: Callable[[float], float] | None = None,
+    ) -> float:
         """One optimizer step over this replica's micro-batches; returns their mean loss (the
         last stage's; other stages return 0.0). With pp > 1 the stage runs this rank's program of
         ``schedule`` (default: the engine's fault-free one); a schedule that gives this worker
-        other pipelines' micro-batches needs ``source`` (pipeline, micro) -> that micro-batch."""
+        other pipelines' micro-batches needs ``source`` (pipeline, micro) -> that micro-batch, and
+        its loss is then the sum over the micro-batches it ran divided by the schedule's
+        micro-batches per pipeline. ``commit(loss) -> loss``, if given, runs after the gradients
+        are reduced and clipped and before anything is updated (ReCycle's commit point)."""
         if self.deepspeed is not None:
             return self._zero_step(micro_batches)
         if self.plan.pp == 1:
@@ -255,6 +291,8 @@ class Engine:
         if self.settings.grad_clip > 0:
             self.scaler.unscale_(self.optimizer)
             self._clip_gradients(self.settings.grad_clip)
+        if commit is not None:
+            loss = commit(loss)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         if self.main_grads:
@@ -304,19 +342,22 @@ class Engine:
         if not self.main_grads and any(p.grad is None for p in self.model.parameters()):  # a worker that ran nothing joins the reduction
             for p in self.model.parameters():
                 p.grad = torch.zeros_like(p) if p.grad is None else p.grad
-        return torch.stack(losses).mean().item() if losses else 0.0
+        return torch.stack(losses).sum().item() / schedule.microbatches if losses else 0.0
 
     def _reduce_gradients(self) -> None:
-        """Average over data-parallel replicas; sum the tied embedding's two copies (first and last stage)."""
+        """Average over data-parallel replicas; the tied embedding sums every copy's gradient (the
+        first and last stage of every live pipeline), then divides by the replicas."""
         if self.groups is None:
             return
+        tied = None
         if self.groups.tied is not None and self.spec.tied_embeddings:
-            shared = self.model.tok_emb.weight if self.first else self.model.head.weight
-            dist.all_reduce(self._grad(shared), group=self.groups.tied)
+            tied = self.model.tok_emb.weight if self.first else self.model.head.weight
+            dist.all_reduce(self._grad(tied), group=self.groups.tied)
         if self.plan.dp > 1 and self.ddp is None and self.plan.zero < 3:  # FSDP reduce-scatters in the backward
             for p in self.model.parameters():
-                dist.all_reduce(self._grad(p), group=self.groups.dp)
-                self._grad(p).div_(self.plan.dp)
+                if p is not tied:
+                    dist.all_reduce(self._grad(p), group=self.groups.dp)
+                self._grad(p).div_(self.plan.dp)  # the full dp: re-routed micro-batches count once wherever they ran
 
     def _clip_gradients(self, max_norm: float) -> None:
         """Clip by the norm of the whole model's gradient: each tensor counted once over the tp
@@ -334,8 +375,8 @@ class Engine:
         ]
         squares = torch.nn.utils.get_total_norm(counted).float() ** 2
         if dist.is_initialized() and plan.tp * plan.pp > 1:  # data-parallel replicas hold the same averaged gradients
+            squares /= self.groups.replicas
             dist.all_reduce(squares)
-            squares /= plan.dp
         scale = (max_norm / (squares.sqrt() + 1e-6)).clamp(max=1.0)
         for p in self.model.parameters():
             self._grad(p).detach().mul_(scale)

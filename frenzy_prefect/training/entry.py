@@ -2,6 +2,8 @@
 
 Rank 0 executes the job's Prefect flow run (``distributed-train``), which trains as rank 0 and
 reports progress to Prefect; every other rank trains directly from the job in the environment.
+Under resilience "recycle" each rank supervises its trainer, a child process started again from
+this module (``supervisor.py``).
 """
 
 from __future__ import annotations
@@ -12,16 +14,29 @@ import sys
 
 from frenzy_prefect.spec.plan import JOB_ENV, TrainingJob
 from frenzy_prefect.training.distributed import DistributedContext, PeerFailed
+from frenzy_prefect.training.generations import EXCLUDED_EXIT, Excluded
+from frenzy_prefect.training.liveness import INCARNATION_ENV
+from frenzy_prefect.training.supervisor import report_event, report_result, supervise
 from frenzy_prefect.training.trainer import train
 
 
 def main() -> None:
-    ctx = DistributedContext.from_env()
+    ctx, job = DistributedContext.from_env(), TrainingJob.model_validate_json(os.environ[JOB_ENV])
+    if INCARNATION_ENV in os.environ:  # a trainer under its rank's supervisor (resilience "recycle")
+        try:
+            report_result(train(job, ctx, log=print, notify=report_event))
+        except Excluded as exc:
+            print(exc, file=sys.stderr)
+            sys.exit(EXCLUDED_EXIT)
+        return
     if ctx.rank == 0 and os.environ.get("PREFECT__FLOW_RUN_ID"):
         runpy.run_module("prefect.engine", run_name="__main__", alter_sys=True)
         return
     try:
-        train(TrainingJob.model_validate_json(os.environ[JOB_ENV]), ctx, log=lambda _: None)
+        if job.request.resilience == "recycle":
+            supervise(job, ctx, log=print, notify=lambda event, details: None)
+        else:
+            train(job, ctx, log=lambda _: None)
     except PeerFailed as exc:  # exit 0: rank 0 reports the failure to Prefect and exits non-zero
         cause = f" ({type(exc.__cause__).__name__}: {exc.__cause__})" if exc.__cause__ else ""
         print(f"{exc}{cause}", file=sys.stderr)

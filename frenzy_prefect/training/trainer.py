@@ -8,6 +8,8 @@ import math
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -17,9 +19,16 @@ from frenzy_prefect.spec.request import OptimizerSettings
 from frenzy_prefect.spec.result import TrainingResult
 from frenzy_prefect.storage import write_bytes
 from frenzy_prefect.training import checkpoint
-from frenzy_prefect.training.data import TokenWindows
+from frenzy_prefect.training.data import TokenWindows, replica_batches, step_batches, step_seed
 from frenzy_prefect.training.distributed import DistributedContext, together
 from frenzy_prefect.training.engine import Engine
+from frenzy_prefect.training.generations import Generation, await_admission
+from frenzy_prefect.training.liveness import Heartbeat, incarnation_from_env
+from frenzy_prefect.training.recycle_live import Notify, RecycleSteps, check_recycle_plan, share_from_live_replica
+
+T = TypeVar("T")
+StepRunner = Callable[[int, TokenWindows, "Progress"], float]  # (step, data, progress so far) -> the step's mean loss
+Survive = Callable[[Callable[[], T]], T]
 
 CHECKPOINT_SHARE = 0.05  # of training time that periodic checkpoints may take, by default
 
@@ -39,70 +48,151 @@ def checkpoint_interval(save_s: float, step_s: float) -> int:
     return max(1, math.ceil(save_s / (CHECKPOINT_SHARE * step_s)))
 
 
-def step_seed(seed: int, step: int) -> int:
-    return seed * 1_000_003 + step
+@dataclass
+class Progress:
+    """Where a run's steps stand: all that a rank joining them needs (ReCycle's replacements)."""
+
+    next_step: int
+    losses: list[float]  # of the steps before next_step
+    every: int  # steps between checkpoints
+    last_saved: int  # the last checkpoint's step, or the step before this attempt's first
+    final: str | None = None  # the last checkpoint's URI
+
+    @classmethod
+    def start(cls, job: TrainingJob, resumed: checkpoint.Manifest | None) -> Progress:
+        first = resumed.step + 1 if resumed else 1
+        final = checkpoint.step_uri(job.checkpoint_uri, resumed.step) if resumed else None
+        # By default the interval is measured at this attempt's first step, then at each checkpoint.
+        return cls(first, list(resumed.losses) if resumed else [], job.request.checkpoint_every or 1, first - 1, final)
 
 
-def step_batches(job: TrainingJob, data: TokenWindows, rank: int, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's micro-batches of optimizer step ``step``. The step's global batch is a function
-    of (seed, step) alone, and replica r takes its r-th share of it in order: any plan (dp,
-    micro-batch) trains on the same sequences at the same step, and a resumed run (on this plan or
-    another) on what the uninterrupted one would have."""
-    request, plan = job.request, job.allocation.plan
-    _, replica, _ = plan.coordinates(rank)
-    starts = data.starts(torch.Generator().manual_seed(step_seed(request.seed, step)), request.global_batch)
-    share = request.global_batch // plan.dp
-    mine = starts[replica * share : (replica + 1) * share]
-    return [data.windows(mine[i : i + plan.micro_batch]) for i in range(0, share, plan.micro_batch)]
-
-
-def train(job: TrainingJob, ctx: DistributedContext, log: Callable[[str], None] = print) -> TrainingResult:
+def train(job: TrainingJob, ctx: DistributedContext, log: Callable[[str], None] = print, notify: Notify | None = None) -> TrainingResult:
     """Run this rank's share of ``job``, from its latest complete checkpoint if it has one; every
-    rank returns the same result, rank 0 writes it."""
+    rank returns the same result, rank 0 writes it. ``notify(event, details)`` hears of failures
+    survived (resilience "recycle")."""
     request, plan = job.request, job.allocation.plan
     if ctx.world_size != plan.gpus:
         raise RuntimeError(f"the plan needs {plan.gpus} ranks but this job has {ctx.world_size}")
     started = time.perf_counter()
+    if request.resilience == "recycle":
+        return _train_through_failures(job, ctx, log, notify or (lambda event, details: None), started)
     ctx.init_process_group()
     try:
-        engine = Engine(
-            job.model,
-            plan,
-            precision=request.precision,
-            optimizer=request.optimizer,
-            accumulation=plan.accumulation(request.global_batch),
-            attention=request.attention,
-            master_weights=request.master_weights,
-            seed=request.seed,
-            rank=ctx.rank,
-            device=ctx.device,
-            lr_factor=lambda s: lr_factor(s, request.steps, request.optimizer),
-        )
+        engine = _engine(job, ctx)
         # Every rank's reads and writes go through `together`: a rank that cannot reach storage
         # fails the run with its reason, reported by rank 0.
-        resumed = together(ctx, lambda: _resume(job, engine, log))
-        data = together(ctx, lambda: TokenWindows(job.dataset, request.seq_len))
-        losses, final, timings = _run_steps(job, ctx, engine, data, resumed, log)
-        data.close()
+        progress = Progress.start(job, together(ctx, lambda: _resume(job, engine, log)))
+        loss_ranks = ctx.world_size // plan.pp  # the last stage's ranks report the loss
 
-        elapsed = time.perf_counter() - started
-        trained = request.steps - (resumed.step if resumed else 0)
-        result = TrainingResult(
-            steps=request.steps,
-            losses=losses,
-            checkpoint=final,
-            world_size=ctx.world_size,
-            backend=ctx.backend,
-            wall_s=elapsed,
-            tokens_per_s=trained * request.global_batch * request.seq_len / elapsed,
-            step_s=timings["step"],
-            checkpoint_s=timings["checkpoint"],
-        )
-        # metrics.json last: the other ranks wait for rank 0's write
-        together(ctx, (lambda: write_bytes(job.metrics_uri, result.model_dump_json(indent=2).encode())) if ctx.rank == 0 else lambda: None)
-        return result
+        def run_step(step: int, data: TokenWindows, progress: Progress) -> float:
+            batches = together(ctx, lambda: [tuple(t.to(ctx.device) for t in b) for b in step_batches(job, data, ctx.rank, step)])
+            torch.manual_seed(step_seed(request.seed, step))  # dropout: a resumed step draws what an uninterrupted one would
+            step_loss = torch.tensor(engine.step(batches), device=ctx.device)
+            if ctx.world_size > 1:
+                dist.all_reduce(step_loss)
+            return step_loss.item() / loss_ranks
+
+        data = together(ctx, lambda: TokenWindows(job.dataset, request.seq_len))
+        return _train_from(job, ctx, engine, data, progress, run_step, log, started)
     finally:
         dist.destroy_process_group()
+
+
+def _train_through_failures(
+    job: TrainingJob, ctx: DistributedContext, log: Callable[[str], None], notify: Notify, started: float
+) -> TrainingResult:
+    """``train`` under ReCycle (``recycle_live``): a first incarnation starts with the job; a
+    replacement (incarnation > 0) waits until the members admit it at a step's start and takes
+    its stage's state from a live replica, and the steps' progress from the members."""
+    check_recycle_plan(job.allocation.plan, job.request.precision)
+    store, incarnation = ctx.rendezvous(), incarnation_from_env()
+    heartbeat = Heartbeat(ctx.rendezvous, (ctx.rank, incarnation))
+    try:
+        if incarnation == 0:
+            ctx.init_process_group(store)
+            generation = Generation(store, 0, list(range(ctx.world_size)), ctx.rank, dict.fromkeys(range(ctx.world_size), 0))
+            engine = _engine(job, ctx)
+            progress = Progress.start(job, together(ctx, lambda: _resume(job, engine, log)))
+            data = together(ctx, lambda: TokenWindows(job.dataset, job.request.seq_len))
+        else:
+            data = TokenWindows(job.dataset, job.request.seq_len)  # (before joining: no collective the members are not in)
+            admission = await_admission(store, (ctx.rank, incarnation))
+            if admission is None:  # the job finished while this replacement waited
+                return TrainingResult.model_validate_json(store.get("finished"))
+            generation, note = admission
+            engine = _engine(job, ctx, live=generation.members)
+            share_from_live_replica(engine, [m for m in generation.members if m not in note["admitted"]], {ctx.rank})
+            progress = Progress(**note["progress"])
+            log(f"rank {ctx.rank} rejoined at step {progress.next_step}")
+            notify("rejoined", {"ranks": [ctx.rank], "step": progress.next_step})
+        steps = RecycleSteps(job, engine, generation, notify, log)
+
+        def run_step(step: int, data: TokenWindows, progress: Progress) -> float:
+            def batches(replica: int) -> list:
+                return [tuple(t.to(ctx.device) for t in b) for b in replica_batches(job, data, replica, step)]
+
+            return steps.step(step, batches, lambda: asdict(progress))
+
+        result = _train_from(job, ctx, engine, data, progress, run_step, log, started, steps.survive)
+        if ctx.rank == steps.generation.members[0]:
+            store.set("finished", result.model_dump_json())  # replacements still waiting return it
+        return result
+    finally:
+        heartbeat.stop()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _engine(job: TrainingJob, ctx: DistributedContext, live: list[int] | None = None) -> Engine:
+    request, plan = job.request, job.allocation.plan
+    return Engine(
+        job.model,
+        plan,
+        precision=request.precision,
+        optimizer=request.optimizer,
+        accumulation=plan.accumulation(request.global_batch),
+        attention=request.attention,
+        master_weights=request.master_weights,
+        seed=request.seed,
+        rank=ctx.rank,
+        device=ctx.device,
+        lr_factor=lambda s: lr_factor(s, request.steps, request.optimizer),
+        live=live,
+    )
+
+
+def _train_from(
+    job: TrainingJob,
+    ctx: DistributedContext,
+    engine: Engine,
+    data: TokenWindows,
+    progress: Progress,
+    run_step: StepRunner,
+    log: Callable[[str], None],
+    started: float,
+    survive: Survive = lambda action: action(),
+) -> TrainingResult:
+    """The steps of ``job`` from ``progress`` on ``data``, then the result, which the process
+    group's rank 0 writes to metrics.json."""
+    request, first = job.request, progress.next_step
+    timings = _run_steps(job, ctx, engine, data, progress, run_step, log, survive)
+    data.close()
+    elapsed = time.perf_counter() - started
+    result = TrainingResult(
+        steps=request.steps,
+        losses=progress.losses,
+        checkpoint=progress.final,
+        world_size=ctx.world_size,
+        backend=ctx.backend,
+        wall_s=elapsed,
+        tokens_per_s=(request.steps - first + 1) * request.global_batch * request.seq_len / elapsed,
+        step_s=timings["step"],
+        checkpoint_s=timings["checkpoint"],
+    )
+    # metrics.json last: the other ranks wait for rank 0's write
+    writes = dist.get_rank() == 0
+    together(ctx, (lambda: write_bytes(job.metrics_uri, result.model_dump_json(indent=2).encode())) if writes else lambda: None)
+    return result
 
 
 def _resume(job: TrainingJob, engine: Engine, log: Callable[[str], None]) -> checkpoint.Manifest | None:
@@ -121,53 +211,52 @@ def _run_steps(
     ctx: DistributedContext,
     engine: Engine,
     data: TokenWindows,
-    resumed: checkpoint.Manifest | None,
+    progress: Progress,
+    run_step: StepRunner,
     log: Callable[[str], None],
-) -> tuple[list[float], str, dict[str, list[float]]]:
-    """The training steps, with periodic checkpoints; returns each step's loss averaged over the
-    ranks (those so far, when resumed), the final checkpoint's URI, and this rank's wall times of
-    each step and each checkpoint."""
-    request, plan, device = job.request, job.allocation.plan, ctx.device
-    losses = list(resumed.losses) if resumed else []
-    first = resumed.step + 1 if resumed else 1
-    every = request.checkpoint_every or 1  # by default: measured at this attempt's first step, then at each checkpoint
-    last_saved, final = first - 1, checkpoint.step_uri(job.checkpoint_uri, first - 1) if resumed else None
+    survive: Survive,
+) -> dict[str, list[float]]:
+    """The steps from ``progress`` on, with periodic checkpoints, each step's loss (averaged over
+    the ranks) and checkpoint kept in ``progress``; returns this rank's wall times of each step
+    and each checkpoint. ``survive(action)`` runs a checkpoint (ReCycle: again, after a failure
+    interrupts it)."""
+    request = job.request
     tokens_per_step = request.global_batch * request.seq_len
-    loss_ranks = ctx.world_size // plan.pp  # the last stage's ranks report the loss
     timings: dict[str, list[float]] = {"step": [], "checkpoint": []}
-    for step in range(first, request.steps + 1):
+    for step in range(progress.next_step, request.steps + 1):
         began = time.perf_counter()
-        batches = together(ctx, lambda: [tuple(t.to(device) for t in b) for b in step_batches(job, data, ctx.rank, step)])  # noqa: B023
-        torch.manual_seed(step_seed(request.seed, step))  # dropout: a resumed step draws what an uninterrupted one would
-        step_loss = torch.tensor(engine.step(batches), device=device)
-        if ctx.world_size > 1:
-            dist.all_reduce(step_loss)
-        losses.append(step_loss.item() / loss_ranks)
+        progress.losses.append(run_step(step, data, progress))
+        progress.next_step = step + 1
         timings["step"].append(time.perf_counter() - began)
-        if step == first or step % request.log_every == 0 or step == request.steps:
+        if len(timings["step"]) == 1 or step % request.log_every == 0 or step == request.steps:
             rate = len(timings["step"]) * tokens_per_step / sum(timings["step"])  # training only, not checkpoints
-            log(f"step {step}/{request.steps} loss {losses[-1]:.4f} ({rate:,.0f} tokens/s over {ctx.world_size} ranks)")
-        if step - last_saved >= every or step == request.steps:
-            final, save_s = together(
-                ctx,
-                lambda: checkpoint.save(engine, job.checkpoint_uri, step, losses, request.keep_checkpoints),  # noqa: B023 (called at once)
-            )
+            log(f"step {step}/{request.steps} loss {progress.losses[-1]:.4f} ({rate:,.0f} tokens/s over {dist.get_world_size()} ranks)")
+        if step - progress.last_saved >= progress.every or step == request.steps:
+            final, save_s, interval = survive(lambda: _checkpoint(job, ctx, engine, step, progress.losses, timings))  # noqa: B023 (called at once)
             log(f"checkpoint of step {step} written to {final} in {save_s:.2f} s")
+            if interval is not None and interval != progress.every:
+                log(f"checkpointing every {interval} steps (a checkpoint takes {save_s:.2f} s)")
+            progress.every, progress.last_saved, progress.final = interval or progress.every, step, final
             timings["checkpoint"].append(save_s)
-            if request.checkpoint_every is None and step < request.steps:
-                # The steps after the first (which also warms up), once there are some.
-                step_s = statistics.mean(timings["step"][1:] or timings["step"])
-                interval = _agreed_interval(ctx, save_s, step_s)
-                if interval != every:
-                    log(f"checkpointing every {interval} steps (a checkpoint takes {save_s:.2f} s, a step {step_s:.2f} s)")
-                every = interval
-            last_saved = step
-    return losses, final, timings
+    return timings
+
+
+def _checkpoint(
+    job: TrainingJob, ctx: DistributedContext, engine: Engine, step: int, losses: list[float], timings: dict[str, list[float]]
+) -> tuple[str, float, int | None]:
+    """Write step ``step``'s checkpoint; returns its URI, the time it took and, unless the request
+    sets the interval, the interval agreed from that time and the steps' (None after the last step)."""
+    request = job.request
+    uri, save_s = together(ctx, lambda: checkpoint.save(engine, job.checkpoint_uri, step, losses, request.keep_checkpoints))
+    if request.checkpoint_every is not None or step == request.steps:
+        return uri, save_s, None
+    step_s = statistics.mean(timings["step"][1:] or timings["step"])  # the steps after the first (which also warms up)
+    return uri, save_s, _agreed_interval(ctx, save_s, step_s)
 
 
 def _agreed_interval(ctx: DistributedContext, save_s: float, step_s: float) -> int:
     """checkpoint_interval of the slowest rank's times, the same on every rank."""
     times = torch.tensor([save_s, step_s], dtype=torch.float64, device=ctx.device)
-    if ctx.world_size > 1:
+    if dist.get_world_size() > 1:
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
     return checkpoint_interval(*times.tolist())

@@ -1,0 +1,167 @@
+"""ReCycle on live ranks: this rank's optimizer steps through failures and rejoins, without a restart.
+
+Each step runs the current generation's schedule (``generations.py``): fault-free, or the
+planner's adapted schedule for the failed workers (their micro-batches re-routed to live peers
+of their stage, W's deferred into bubbles; ``recycle.cache``), looked up in milliseconds.
+
+- **A failure** shows as a failed transfer or collective with a dead rank, or as a death in the
+  store's log while waiting at the commit point. The interrupted iteration is *redone*: no
+  member stepped (the commit point), so the survivors discard its gradients, form the next
+  generation without the dead ranks, look up the adapted schedule and run the same step again on
+  the same global batch. Micro-batches done before the failure are not salvaged: what they left
+  is spread over ranks that may be dead, and the planner's schedules start from an empty pipeline.
+- **A rejoin**: a replacement (its supervisor restarts the trainer, ``supervisor.py``) asks to
+  join; the next commit point admits it, the members form the next generation with it, a live
+  replica of its stage sends it the stage's state (``peer_state.py``), and the fault-free
+  schedule returns from the next step.
+- **A stage with no live replica** cannot be re-routed: the survivors stop with
+  NeedsCheckpointRestart and torchrun restarts every rank from the last checkpoint
+  (``max_restarts``). Checkpoints are written only while no worker is missing.
+
+Only ZeRO-0 pipelines (dp >= 2, pp >= 2, tp = 1) keep a copy of every stage on other ranks;
+``check_recycle_plan`` refuses the rest.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from frenzy_prefect.errors import FrenzyError
+from frenzy_prefect.pipeline.costs import StageCosts
+from frenzy_prefect.pipeline.schedule import Schedule
+from frenzy_prefect.recycle.cache import PlanCache
+from frenzy_prefect.spec.plan import ParallelPlan, TrainingJob
+from frenzy_prefect.spec.request import Precision
+from frenzy_prefect.training.data import step_seed
+from frenzy_prefect.training.engine import Engine, MicroBatch
+from frenzy_prefect.training.generations import Generation, Interrupted
+from frenzy_prefect.training.liveness import Log
+from frenzy_prefect.training.peer_state import share_stage_state
+
+T = TypeVar("T")
+Notify = Callable[[str, dict], None]  # (event name, details): rank 0 turns them into Prefect events
+
+
+def check_recycle_plan(plan: ParallelPlan, precision: Precision) -> None:
+    """Refuse, in one line, a plan ReCycle cannot keep running through a failure."""
+    problems = [
+        f"dp={plan.dp} (needs >= 2: a failed worker's peers run its micro-batches)" if plan.dp < 2 else "",
+        f"pp={plan.pp} (needs >= 2: the schedules re-route a stage's micro-batches)" if plan.pp < 2 else "",
+        f"tp={plan.tp} (needs 1)" if plan.tp != 1 else "",
+        f"zero={plan.zero} (needs 0: ZeRO shards the state a failed worker's peers must hold)" if plan.zero else "",
+        f"precision {precision} (fp16's loss scaling is not carried through a failure; use bf16)" if precision == "fp16" else "",
+    ]
+    if any(problems):
+        raise FrenzyError(f"resilience 'recycle' cannot run plan {plan.label()}: " + "; ".join(p for p in problems if p))
+
+
+class RecycleSteps:
+    """This rank's steps under ReCycle. ``step(n, batches)`` runs step n to its optimizer update,
+    through any failure, and returns the mean loss; ``batches(replica)`` gives a replica's
+    micro-batches of that step (the rank reads other replicas' when it runs their work)."""
+
+    def __init__(self, job: TrainingJob, engine: Engine, generation: Generation, notify: Notify, log: Callable[[str], None]) -> None:
+        plan = job.allocation.plan
+        self.job, self.engine, self.generation, self.notify, self.log = job, engine, generation, notify, log
+        self.microbatches = plan.accumulation(job.request.global_batch)
+        self.cache = PlanCache(plan.dp, plan.pp, self.microbatches, StageCosts.uniform(plan.pp), plan_on_demand=True)
+        self.rejoins = Log(generation.store, "rejoin")
+        self.schedule = self._schedule()
+        self.admitted: list = []
+
+    @property
+    def degraded(self) -> bool:
+        return len(self.generation.members) < self.job.allocation.plan.gpus
+
+    def _failed_workers(self) -> set[tuple[int, int]]:
+        plan = self.job.allocation.plan
+        return {plan.coordinates(r)[1::-1] for r in range(plan.gpus) if r not in self.generation.members}
+
+    def _schedule(self) -> Schedule:
+        found = self.cache.lookup(self._failed_workers())  # NeedsCheckpointRestart when a stage has no replica left
+        return found.plan.schedule.relabelled(found.pipeline_maps)
+
+    def step(self, step: int, batches: Callable[[int], list[MicroBatch]], progress: Callable[[], dict]) -> float:
+        """Run ``step`` through any failure; first admit the replacements the last commit point
+        let in (at a step's start every member is at the same point; ``progress()`` is what they
+        are told of it)."""
+        if self.admitted:
+            self._admit(step, progress())
+        return self.survive(lambda: self._attempt(step, batches), step)
+
+    def survive(self, action: Callable[[], T], step: int | None = None) -> T:
+        """``action`` (collective on every member), run again by the survivors after a failure
+        interrupts it (``step``: the iteration it belongs to, aborted for everyone)."""
+        while True:
+            try:
+                return action()
+            except Interrupted as exc:
+                cause: Exception = exc
+            except RuntimeError as exc:  # gloo/NCCL: a transfer or collective with a dead rank
+                cause = exc
+                if step is not None:
+                    self.generation.abort(step)
+            # The traceback's frames hold the interrupted transfers, and they the old groups.
+            self._recover(cause.with_traceback(None))
+
+    def _attempt(self, step: int, batches: Callable[[int], list[MicroBatch]]) -> float:
+        plan, read = self.job.allocation.plan, {}
+
+        def replica(pipeline: int) -> list[MicroBatch]:
+            if pipeline not in read:
+                read[pipeline] = batches(pipeline)
+            return read[pipeline]
+
+        def commit(loss: float) -> float:
+            total = torch.tensor(loss, dtype=torch.float64, device=self.engine.device)
+            dist.all_reduce(total)
+            self.admitted = self.generation.commit(step, self.rejoins)
+            return total.item() / (plan.dp * plan.tp)  # the last stage's ranks hold the loss
+
+        torch.manual_seed(step_seed(self.job.request.seed, step))
+        own = replica(self.engine.replica)
+        return self.engine.step(own, schedule=self.schedule, source=lambda p, j: replica(p)[j], commit=commit)
+
+    def _recover(self, cause: Exception) -> None:
+        began, before = time.perf_counter(), set(self.generation.members)
+        self.engine.discard_gradients()
+        self.engine.leave_groups()
+        self.generation = self.generation.after_failure()
+        failed = sorted(before - set(self.generation.members))
+        if not failed:
+            raise cause  # nobody died: a real error, not a failure to survive
+        self.engine.regroup(self.generation.members)
+        self.schedule = self._schedule()
+        downtime = time.perf_counter() - began
+        self.log(f"rank(s) {failed} failed; {len(self.generation.members)} ranks carry on re-routed ({downtime:.3f} s)")
+        self.notify("rank-failed", {"ranks": failed, "cause": f"{type(cause).__name__}: {cause}"[:300]})
+        self.notify("recovered", {"ranks": failed, "downtime_s": downtime, "members": self.generation.members})
+
+    def _admit(self, step: int, progress: dict) -> None:
+        began, admitted = time.perf_counter(), self.admitted
+        ranks = sorted(r for r, _ in admitted)
+        old = self.generation.members
+        self.generation = self.generation.admitting(admitted, {"progress": progress, "admitted": ranks})
+        self.engine.regroup(self.generation.members)
+        share_from_live_replica(self.engine, old, set(ranks))
+        self.schedule = self._schedule()
+        self.admitted = []
+        downtime = time.perf_counter() - began
+        self.log(f"rank(s) {ranks} rejoined before step {step} ({downtime:.3f} s)")
+        self.notify("rejoined", {"step": step, "ranks": ranks, "downtime_s": downtime, "members": self.generation.members})
+
+
+def share_from_live_replica(engine: Engine, old_members: list[int], replacements: set[int]) -> None:
+    """Collective over the stages that have a replacement: the lowest live replica of the stage
+    sends its state (``peer_state``)."""
+    plan = engine.plan
+    stage_ranks = [plan.rank_of(engine.stage, d, 0) for d in range(plan.dp)]
+    if not replacements & set(stage_ranks):
+        return
+    source = min(r for r in stage_ranks if r in old_members and r not in replacements)
+    share_stage_state(engine, engine.position[source], replacements)

@@ -1,0 +1,122 @@
+"""ReCycle on live ranks (issue 16): a dp=2 x pp=2 job on real gloo ranks keeps training through a
+SIGKILLed trainer without a restart, re-routing the dead worker's micro-batches to its stage's
+live peer, and (when allowed) through its replacement's rejoin; the weights it ends with equal
+a fault-free run's on the same data (summation order aside)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+
+from frenzy_prefect.profiling.dataset import profile_dataset
+from frenzy_prefect.spec.plan import ParallelPlan, Placement, TrainingJob
+from frenzy_prefect.storage import open_uri
+from frenzy_prefect.training.checkpoint import complete_checkpoints
+from frenzy_prefect.training.liveness import INCARNATION_ENV
+
+from .conftest import BUCKET
+from .test_resume import _whole_weights
+from .test_training import NANO, launch, make_job
+
+pytestmark = pytest.mark.recycle_live
+
+GRID = [Placement(node="n0", host="127.0.0.1", gpus=[0, 1, 2, 3])]
+PLAN = ParallelPlan(dp=2, pp=2, micro_batch=2)  # global batch 16: 4 micro-batches per pipeline
+RUN = {"steps": 30, "checkpoint_every": 4, "keep_checkpoints": 1, "resilience": "recycle", "log_every": 1}
+
+
+def job_of(dataset: str, name: str, **request) -> TrainingJob:
+    return make_job(profile_dataset(dataset, 64, NANO.vocab_size), f"s3://{BUCKET}/runs/{name}", PLAN, GRID, **(RUN | request))
+
+
+def metrics_of(job: TrainingJob) -> dict:
+    with open_uri(job.metrics_uri, "r") as f:
+        return json.load(f)
+
+
+def trainer_of(rank: int, incarnation: int) -> psutil.Process | None:
+    """The trainer process (under its supervisor) of ``rank``'s ``incarnation``."""
+    for p in psutil.Process().children(recursive=True):
+        try:
+            env = p.environ()
+            if env.get("RANK") == str(rank) and env.get(INCARNATION_ENV) == str(incarnation) and "training.entry" in " ".join(p.cmdline()):
+                return p
+        except psutil.Error:
+            continue
+    return None
+
+
+def kill_after_first_checkpoint(job: TrainingJob, rank: int, killed: list[int]) -> threading.Thread:
+    def kill() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not (complete_checkpoints(job.checkpoint_uri) and trainer_of(rank, 0)):
+            time.sleep(0.05)
+        victim = trainer_of(rank, 0)
+        if victim is not None:
+            killed.append(victim.pid)
+            victim.send_signal(signal.SIGKILL)
+
+    thread = threading.Thread(target=kill)
+    thread.start()
+    return thread
+
+
+@pytest.fixture(scope="module")
+def fault_free(dataset) -> tuple[list[float], dict[str, torch.Tensor]]:
+    job = job_of(dataset, "recycle-fault-free")
+    assert launch(job)[0] == 0
+    metrics = metrics_of(job)
+    return metrics["losses"], _whole_weights(metrics["checkpoint"])
+
+
+def test_a_killed_rank_is_survived_without_a_restart_and_rejoins_with_the_fault_free_weights(dataset, fault_free):
+    losses, weights = fault_free
+    job = job_of(dataset, "recycle-rejoin", max_replacements=1)
+    killed: list[int] = []
+    killer = kill_after_first_checkpoint(job, 3, killed)
+    code, _ = launch(job)
+    killer.join()
+    assert killed and code == 0
+    metrics = metrics_of(job)
+    assert metrics["losses"] == pytest.approx(losses, rel=1e-5)
+    assert_same_weights(_whole_weights(metrics["checkpoint"]), weights)
+
+
+def assert_same_weights(survived: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> None:
+    """Equal up to summation order. The absolute tolerance is for the attention's key bias, whose
+    true gradient is zero (softmax ignores a constant added to every score): Adam scales its
+    rounding noise up to steps of the learning rate's order, differently for another order."""
+    assert survived.keys() == weights.keys()
+    for name, tensor in weights.items():
+        torch.testing.assert_close(survived[name], tensor, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_without_a_replacement_the_survivors_train_to_the_end_and_checkpoint_re_routed(dataset, fault_free):
+    losses, weights = fault_free
+    job = job_of(dataset, "recycle-no-replacement", max_replacements=0)
+    killed: list[int] = []
+    killer = kill_after_first_checkpoint(job, 1, killed)  # stage 0 of pipeline 1
+    code, _ = launch(job)
+    killer.join()
+    assert killed and code == 0
+    metrics = metrics_of(job)
+    assert metrics["losses"] == pytest.approx(losses, rel=1e-5)
+    assert_same_weights(_whole_weights(metrics["checkpoint"]), weights)  # written by three ranks
+
+
+def test_a_stage_that_loses_every_replica_restarts_from_the_last_checkpoint(dataset, fault_free):
+    losses, _ = fault_free
+    job = job_of(dataset, "recycle-wipe-out", max_replacements=0, max_restarts=1)
+    killed: list[int] = []
+    killers = [kill_after_first_checkpoint(job, rank, killed) for rank in (2, 3)]  # both replicas of stage 1
+    code, _ = launch(job)
+    for killer in killers:
+        killer.join()
+    assert len(killed) == 2 and code == 0
+    assert metrics_of(job)["losses"] == pytest.approx(losses, rel=1e-5)
