@@ -8,12 +8,14 @@ from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
 
 from frenzy_prefect.cancellation import sigterm_cancels_when_cancelling
+from frenzy_prefect.events import training_events
 from frenzy_prefect.restarts import failures_restart_while_torchrun_can
 from frenzy_prefect.spec.plan import TrainingJob
 from frenzy_prefect.spec.request import TrainingRequest
 from frenzy_prefect.spec.result import TrainingReport, TrainingResult
 from frenzy_prefect.tasks import allocate, estimate_memory, profile_cluster, profile_dataset, profile_model, report, train
 from frenzy_prefect.training.distributed import DistributedContext
+from frenzy_prefect.training.supervisor import supervise
 from frenzy_prefect.training.trainer import train as train_ranks
 
 TRAINING_DEPLOYMENT = "distributed-train/frenzy"
@@ -56,4 +58,6 @@ def distributed_train(job: TrainingJob) -> TrainingResult:
     """Rank 0 of a training job (the `frenzy` worker starts the other ranks beside it)."""
     run_id, log = FlowRunContext.get().flow_run.id, get_run_logger().info
     with sigterm_cancels_when_cancelling(run_id), failures_restart_while_torchrun_can(run_id, log):
+        if job.request.resilience == "recycle":  # rank 0's trainer runs beside this flow run, which survives it
+            return supervise(job, DistributedContext.from_env(), log=log, notify=training_events(run_id, job))
         return train_ranks(job, DistributedContext.from_env(), log=log)

@@ -170,6 +170,23 @@ def train(job: TrainingJob, deployment: str) -> tuple[TrainingResult, str]:
         return TrainingResult.model_validate_json(f.read()), str(run.id)
 
 
+def _survived_rows(result: TrainingResult) -> list[dict[str, str]]:
+    def rate(tokens_per_s: float | None) -> str:
+        return f"{tokens_per_s:,.0f}" if tokens_per_s is not None else "-"
+
+    return [
+        {
+            "when": f.at,
+            "step": str(f.step),
+            "what": f"rank(s) {', '.join(map(str, f.ranks))} {f.kind}",
+            "downtime": f"{f.downtime_s:.2f} s",
+            "tokens/s before": rate(f.tokens_per_s_before),
+            "tokens/s after": rate(f.tokens_per_s_after),
+        }
+        for f in result.failures
+    ]
+
+
 @task
 def report(job: TrainingJob, result: TrainingResult, training_flow_run: str) -> TrainingReport:
     summary = TrainingReport(
@@ -187,6 +204,10 @@ def report(job: TrainingJob, result: TrainingResult, training_flow_run: str) -> 
         if i % stride == 0 or i + 1 == len(result.losses)
     ]
     create_table_artifact(key="loss-curve", table=curve, description="Training loss (mean over ranks)")
+    if result.failures:
+        create_table_artifact(
+            key="failures-survived", table=_survived_rows(result), description="Rank failures trained through, and rejoins"
+        )
     a = job.allocation
     create_markdown_artifact(
         key="training-report",

@@ -10,7 +10,7 @@ from frenzy_prefect.errors import FrenzyError, NoFeasiblePlan
 from frenzy_prefect.memory.analytic import estimate
 from frenzy_prefect.spec.cluster import ClusterSpec
 from frenzy_prefect.spec.gpu import GpuType
-from frenzy_prefect.spec.layout import check_engine_plan, tp_splits, zero_runs_with
+from frenzy_prefect.spec.layout import check_engine_plan, check_resilience, tp_splits, zero_runs_with
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import ParallelPlan, PlanCandidate
 from frenzy_prefect.spec.request import TrainingRequest
@@ -72,6 +72,7 @@ def candidate_plans(model: ModelSpec, request: TrainingRequest, cluster: Cluster
     def runs(plan: ParallelPlan) -> bool:
         try:
             check_engine_plan(model, plan, request.precision, request.master_weights)
+            check_resilience(plan, request.resilience, request.master_weights)
         except FrenzyError:
             return False
         return True
@@ -101,6 +102,12 @@ def candidate_plans(model: ModelSpec, request: TrainingRequest, cluster: Cluster
                     step_time_s=predict_step(model, plan, **workload, gpu=gpu, network_gbps=network).seconds,
                 )
             )
+    if not out and request.resilience == "recycle":
+        raise NoFeasiblePlan(
+            f"resilience 'recycle' needs a pipeline plan with dp >= 2, pp >= 2, tp = 1 and zero 0, without master_weights"
+            f"{' and ' + request.plan.label() if request.plan else ''}, and none fits cluster {cluster.name!r}: "
+            "it needs at least 4 GPUs of one type"
+        )
     if not out and request.plan:
         raise NoFeasiblePlan(
             f"no plan with {request.plan.label()} runs on cluster {cluster.name!r}: tp must split the heads evenly and stay "

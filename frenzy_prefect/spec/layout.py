@@ -13,7 +13,7 @@ from functools import lru_cache
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import ParallelPlan
-from frenzy_prefect.spec.request import Precision, check_master_weights
+from frenzy_prefect.spec.request import Precision, Resilience, check_master_weights
 
 
 def zero_runs_with(zero: int, tp: int, pp: int) -> bool:
@@ -45,6 +45,22 @@ def check_engine_plan(spec: ModelSpec, plan: ParallelPlan, precision: Precision,
         raise FrenzyError("master_weights runs with zero 0, 1 (any tp and pp) or 3 (FSDP2's mixed precision); ZeRO-2 keeps fp32 weights")
     if precision == "fp16" and (plan.tp > 1 or plan.pp > 1 or plan.zero):
         raise FrenzyError("fp16 loss scaling is implemented for plain data parallelism (tp=1, pp=1, zero=0); use bf16 or fp32")
+
+
+def check_resilience(plan: ParallelPlan, resilience: Resilience, master_weights: bool = False) -> None:
+    """Refuse, in one line, a plan that resilience 'recycle' (ReCycle) cannot keep running through a
+    failure: the failed worker's stage must be whole on a live peer in another pipeline."""
+    if resilience != "recycle":
+        return
+    problems = [
+        f"dp={plan.dp} (needs >= 2: a failed worker's peers run its micro-batches)" if plan.dp < 2 else "",
+        f"pp={plan.pp} (needs >= 2: its schedules re-route a stage's micro-batches)" if plan.pp < 2 else "",
+        f"tp={plan.tp} (needs 1)" if plan.tp != 1 else "",
+        f"zero={plan.zero} (needs 0: ZeRO shards the state a failed worker's peers must hold whole)" if plan.zero else "",
+        "master_weights (not carried through a failure yet)" if master_weights else "",
+    ]
+    if any(problems):
+        raise FrenzyError(f"resilience 'recycle' cannot run plan {plan.label()}: " + "; ".join(p for p in problems if p))
 
 
 def tp_splits(model: ModelSpec, tp: int) -> bool:

@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from frenzy_prefect.spec.plan import Allocation
+
+
+class SurvivedFailure(BaseModel):
+    """A change of the ranks a run trained through without a restart (resilience 'recycle'): ranks
+    that failed (their stage's peers took their micro-batches) or rejoined."""
+
+    model_config = ConfigDict(frozen=True)
+
+    at: str = Field(description="When the survivors had re-formed (UTC, ISO 8601).")
+    step: int = Field(description="The step that was interrupted and run again, or (rejoined) the first step with the ranks back.")
+    kind: Literal["failed", "rejoined"]
+    ranks: list[int]
+    downtime_s: float = Field(description="From the failure's detection to training again (rejoined: the state copy).")
+    tokens_per_s_before: float | None = Field(default=None, description="Over up to 5 steps before, as the writing rank timed them.")
+    tokens_per_s_after: float | None = Field(default=None, description="Over up to 5 steps after (the interrupted step excluded).")
 
 
 class TrainingResult(BaseModel):
@@ -21,6 +38,7 @@ class TrainingResult(BaseModel):
     tokens_per_s: float = Field(description="Trained tokens over wall_s, all ranks together.")
     step_s: list[float] = Field(default=[], description="Rank 0's wall time of each step this attempt trained, checkpoints excluded.")
     checkpoint_s: list[float] = Field(default=[], description="Rank 0's wall time of each checkpoint this attempt wrote.")
+    failures: list[SurvivedFailure] = Field(default=[], description="Failures trained through without a restart, and rejoins.")
 
 
 class TrainingReport(BaseModel):

@@ -19,24 +19,23 @@ of their stage, W's deferred into bubbles; ``recycle.cache``), looked up in mill
   (``max_restarts``). Checkpoints are written only while no worker is missing.
 
 Only ZeRO-0 pipelines (dp >= 2, pp >= 2, tp = 1) keep a copy of every stage on other ranks;
-``check_recycle_plan`` refuses the rest.
+``spec.layout.check_resilience`` refuses the rest (the allocator chooses among the others).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from datetime import datetime, timezone
 from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
-from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.pipeline.costs import StageCosts
 from frenzy_prefect.pipeline.schedule import Schedule
 from frenzy_prefect.recycle.cache import PlanCache
-from frenzy_prefect.spec.plan import ParallelPlan, TrainingJob
-from frenzy_prefect.spec.request import Precision
+from frenzy_prefect.spec.plan import TrainingJob
 from frenzy_prefect.training.data import step_seed
 from frenzy_prefect.training.engine import Engine, MicroBatch
 from frenzy_prefect.training.generations import Generation, Interrupted
@@ -47,25 +46,20 @@ T = TypeVar("T")
 Notify = Callable[[str, dict], None]  # (event name, details): rank 0 turns them into Prefect events
 
 
-def check_recycle_plan(plan: ParallelPlan, precision: Precision) -> None:
-    """Refuse, in one line, a plan ReCycle cannot keep running through a failure."""
-    problems = [
-        f"dp={plan.dp} (needs >= 2: a failed worker's peers run its micro-batches)" if plan.dp < 2 else "",
-        f"pp={plan.pp} (needs >= 2: the schedules re-route a stage's micro-batches)" if plan.pp < 2 else "",
-        f"tp={plan.tp} (needs 1)" if plan.tp != 1 else "",
-        f"zero={plan.zero} (needs 0: ZeRO shards the state a failed worker's peers must hold)" if plan.zero else "",
-        f"precision {precision} (fp16's loss scaling is not carried through a failure; use bf16)" if precision == "fp16" else "",
-    ]
-    if any(problems):
-        raise FrenzyError(f"resilience 'recycle' cannot run plan {plan.label()}: " + "; ".join(p for p in problems if p))
-
-
 class RecycleSteps:
     """This rank's steps under ReCycle. ``step(n, batches)`` runs step n to its optimizer update,
     through any failure, and returns the mean loss; ``batches(replica)`` gives a replica's
     micro-batches of that step (the rank reads other replicas' when it runs their work)."""
 
-    def __init__(self, job: TrainingJob, engine: Engine, generation: Generation, notify: Notify, log: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        job: TrainingJob,
+        engine: Engine,
+        generation: Generation,
+        notify: Notify,
+        log: Callable[[str], None],
+        survived: list[dict],
+    ) -> None:
         plan = job.allocation.plan
         self.job, self.engine, self.generation, self.notify, self.log = job, engine, generation, notify, log
         self.microbatches = plan.accumulation(job.request.global_batch)
@@ -73,6 +67,7 @@ class RecycleSteps:
         self.rejoins = Log(generation.store, "rejoin")
         self.schedule = self._schedule()
         self.admitted: list = []
+        self.survived, self.current = survived, 0  # the run's record (SurvivedFailure fields), shared with its progress
 
     @property
     def degraded(self) -> bool:
@@ -90,6 +85,7 @@ class RecycleSteps:
         """Run ``step`` through any failure; first admit the replacements the last commit point
         let in (at a step's start every member is at the same point; ``progress()`` is what they
         are told of it)."""
+        self.current = step
         if self.admitted:
             self._admit(step, progress())
         return self.survive(lambda: self._attempt(step, batches), step)
@@ -138,6 +134,7 @@ class RecycleSteps:
         self.engine.regroup(self.generation.members)
         self.schedule = self._schedule()
         downtime = time.perf_counter() - began
+        self.record("failed", failed, downtime)
         self.log(f"rank(s) {failed} failed; {len(self.generation.members)} ranks carry on re-routed ({downtime:.3f} s)")
         self.notify("rank-failed", {"ranks": failed, "cause": f"{type(cause).__name__}: {cause}"[:300]})
         self.notify("recovered", {"ranks": failed, "downtime_s": downtime, "members": self.generation.members})
@@ -152,8 +149,13 @@ class RecycleSteps:
         self.schedule = self._schedule()
         self.admitted = []
         downtime = time.perf_counter() - began
+        self.record("rejoined", ranks, downtime)
         self.log(f"rank(s) {ranks} rejoined before step {step} ({downtime:.3f} s)")
         self.notify("rejoined", {"step": step, "ranks": ranks, "downtime_s": downtime, "members": self.generation.members})
+
+    def record(self, kind: str, ranks: list[int], downtime_s: float) -> None:
+        at = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+        self.survived.append({"at": at, "step": self.current, "kind": kind, "ranks": ranks, "downtime_s": round(downtime_s, 4)})
 
 
 def share_from_live_replica(engine: Engine, old_members: list[int], replacements: set[int]) -> None:

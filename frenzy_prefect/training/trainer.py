@@ -8,15 +8,16 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
+from frenzy_prefect.spec.layout import check_resilience
 from frenzy_prefect.spec.plan import TrainingJob
-from frenzy_prefect.spec.request import OptimizerSettings
-from frenzy_prefect.spec.result import TrainingResult
+from frenzy_prefect.spec.request import OptimizerSettings, TrainingRequest
+from frenzy_prefect.spec.result import SurvivedFailure, TrainingResult
 from frenzy_prefect.storage import write_bytes
 from frenzy_prefect.training import checkpoint
 from frenzy_prefect.training.data import TokenWindows, replica_batches, step_batches, step_seed
@@ -24,7 +25,7 @@ from frenzy_prefect.training.distributed import DistributedContext, together
 from frenzy_prefect.training.engine import Engine
 from frenzy_prefect.training.generations import Generation, await_admission
 from frenzy_prefect.training.liveness import Heartbeat, incarnation_from_env
-from frenzy_prefect.training.recycle_live import Notify, RecycleSteps, check_recycle_plan, share_from_live_replica
+from frenzy_prefect.training.recycle_live import Notify, RecycleSteps, share_from_live_replica
 
 T = TypeVar("T")
 StepRunner = Callable[[int, TokenWindows, "Progress"], float]  # (step, data, progress so far) -> the step's mean loss
@@ -57,6 +58,7 @@ class Progress:
     every: int  # steps between checkpoints
     last_saved: int  # the last checkpoint's step, or the step before this attempt's first
     final: str | None = None  # the last checkpoint's URI
+    survived: list[dict] = field(default_factory=list)  # failures and rejoins trained through (SurvivedFailure's fields)
 
     @classmethod
     def start(cls, job: TrainingJob, resumed: checkpoint.Manifest | None) -> Progress:
@@ -104,7 +106,7 @@ def _train_through_failures(
     """``train`` under ReCycle (``recycle_live``): a first incarnation starts with the job; a
     replacement (incarnation > 0) waits until the members admit it at a step's start and takes
     its stage's state from a live replica, and the steps' progress from the members."""
-    check_recycle_plan(job.allocation.plan, job.request.precision)
+    check_resilience(job.allocation.plan, job.request.resilience, job.request.master_weights)
     store, incarnation = ctx.rendezvous(), incarnation_from_env()
     heartbeat = Heartbeat(ctx.rendezvous, (ctx.rank, incarnation))
     try:
@@ -120,12 +122,16 @@ def _train_through_failures(
             if admission is None:  # the job finished while this replacement waited
                 return TrainingResult.model_validate_json(store.get("finished"))
             generation, note = admission
+            joined = time.perf_counter()
             engine = _engine(job, ctx, live=generation.members)
             share_from_live_replica(engine, [m for m in generation.members if m not in note["admitted"]], {ctx.rank})
-            progress = Progress(**note["progress"])
+            progress = Progress(**note["progress"])  # (its record ends before this rejoin: added below)
+        steps = RecycleSteps(job, engine, generation, notify, log, progress.survived)
+        steps.current = progress.next_step
+        if incarnation > 0:
+            steps.record("rejoined", note["admitted"], time.perf_counter() - joined)
             log(f"rank {ctx.rank} rejoined at step {progress.next_step}")
-            notify("rejoined", {"ranks": [ctx.rank], "step": progress.next_step})
-        steps = RecycleSteps(job, engine, generation, notify, log)
+            notify("rejoined", {"ranks": note["admitted"], "step": progress.next_step})
 
         def run_step(step: int, data: TokenWindows, progress: Progress) -> float:
             def batches(replica: int) -> list:
@@ -188,11 +194,24 @@ def _train_from(
         tokens_per_s=(request.steps - first + 1) * request.global_batch * request.seq_len / elapsed,
         step_s=timings["step"],
         checkpoint_s=timings["checkpoint"],
+        failures=[_with_throughput(record, first, timings["step"], request) for record in progress.survived],
     )
     # metrics.json last: the other ranks wait for rank 0's write
     writes = dist.get_rank() == 0
     together(ctx, (lambda: write_bytes(job.metrics_uri, result.model_dump_json(indent=2).encode())) if writes else lambda: None)
     return result
+
+
+def _with_throughput(record: dict, first: int, step_s: list[float], request: TrainingRequest) -> SurvivedFailure:
+    """A survived failure, with tokens/s over up to 5 steps on each side of it that this rank timed."""
+    at = record["step"] - first  # its index in step_s
+    before = step_s[max(0, at - 5) : max(0, at)]
+    after = step_s[at + 1 : at + 6] if record["kind"] == "failed" else step_s[at : at + 5]
+
+    def rate(times: list[float]) -> float | None:
+        return len(times) * request.global_batch * request.seq_len / sum(times) if times else None
+
+    return SurvivedFailure(**record, tokens_per_s_before=rate(before), tokens_per_s_after=rate(after))
 
 
 def _resume(job: TrainingJob, engine: Engine, log: Callable[[str], None]) -> checkpoint.Manifest | None:
