@@ -126,7 +126,8 @@ def test_the_step_time_table_interpolates_throughput_and_rejects_bad_files(tmp_p
     for body, message in [
         ("[1, 2]", "expected a non-empty JSON object"),
         ('{"x": 1}', "key 'x' is not a positive whole number of workers"),
-        ('{"8": -1}', "workers 8: step time -1 is not a positive number of seconds"),
+        ('{"8": -1}', r"workers 8: step time -1 is not a number of seconds >= 0 \(0: cannot run on that many workers\)"),
+        ('{"8": "fast"}', "workers 8: step time 'fast' is not a number of seconds"),
         ("{", r"steps\.json:1:2: not JSON"),
     ]:
         path.write_text(body)
