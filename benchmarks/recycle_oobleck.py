@@ -136,7 +136,7 @@ def main() -> None:
     figure = {(f["model"], f["trace"]): f["samples_per_s"] for f in artifact["oobleck"]}
 
     rows = []
-    print(f"{'model':<11}{'trace':<9}{'grid':<6}{'artifact':>9}" + "".join(f"{p:>20}" for p in POLICIES) + f"{'recycle/art':>12}")
+    print(f"{'model':<11}{'trace':<16}{'grid':<6}{'artifact':>9}" + "".join(f"{p:>20}" for p in POLICIES) + f"{'recycle/art':>12}")
     for model, spec in artifact["models"].items():
         for trace in TRACES:
             for grid in grids:
@@ -145,7 +145,7 @@ def main() -> None:
                 row = {"model": model, "trace": trace, "grid": f"{grid[0]}x{grid[1]}", "artifact_oobleck": theirs, **result}
                 rows.append(row)
                 cells = "".join(f"{result[p]['span']:>11.3f} ({result[p]['span'] / theirs:>5.2f}x)" for p in POLICIES)
-                print(f"{model:<11}{trace:<9}{row['grid']:<6}{theirs:>9.3f}{cells}{result['recycle']['span'] / theirs:>12.2f}")
+                print(f"{model:<11}{trace:<16}{row['grid']:<6}{theirs:>9.3f}{cells}{result['recycle']['span'] / theirs:>12.2f}")
     write_result(
         {
             "artifact_source": artifact["source"],

@@ -193,6 +193,16 @@ def test_adaptive_learns_frequent_failures_from_the_trace_and_is_not_worse_than_
     assert results["adaptive"].throughput >= max(results["recycle"].throughput, results["oobleck"].throughput) * (1 - 1e-9)
 
 
+def test_adaptive_keeps_a_reformed_grid_when_taking_a_joining_node_in_costs_more_than_it_gains():
+    model = IterationTimes(5, 6, 8, lambda d, p: T * 30 / (d * p), lambda f: 3 * T)  # re-routing is slow: re-form
+    tr = trace(30, (100, "remove", "node7"), (200, "add", "node7"))  # node7 is up again at 245 s
+    frequent = run("adaptive", tr, model=model, horizon=2000.0)
+    # changes every ~120 s so far: one more node (30/29 faster) is not worth a pause and a lost iteration
+    assert [(e.time_s, e.kind) for e in frequent.events] == [(0, "start"), (100, "reconfigure")]
+    rare = run("adaptive", tr, model=model, horizon=2000.0, expected_gap_s=36000)
+    assert [(e.time_s, e.kind, e.grid) for e in rare.events][2] == (245, "reconfigure", "5x6")
+
+
 def test_a_job_starts_with_whatever_nodes_the_trace_has_first():
     tr = FailureTrace(
         name="t",

@@ -8,6 +8,7 @@ runtime does), a re-formed grid re-forms again and loses it too (counted as half
 The expected gap is ``Knobs.expected_gap_s``, or learnt from the trace as it arrives: the time
 since the job started over the changes seen so far (the maximum-likelihood mean gap of a Poisson
 process), with no prior constant; before any change, only the steady-state speeds are compared.
+When nodes join a re-formed grid, keeping it as it is (Oobleck's choice) is a third option.
 If a stage's state is lost, both options are restarts from the last checkpoint."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import math
 from typing import ClassVar
 
 from frenzy_prefect.recycle.knobs import Knobs
-from frenzy_prefect.recycle.policies.base import Decision, Layout, View, from_layout, grid_label, reform
+from frenzy_prefect.recycle.policies.base import Decision, Layout, View, from_layout, grid_label, joined_only, reform
 from frenzy_prefect.recycle.policies.recycle import on_grid
 
 
@@ -79,6 +80,14 @@ class Adaptive:
         later = max(0.0, gap - per_change - decision.iteration_s / 2)
         return (now + later) / decision.iteration_s
 
+    def _stays(self, view: View, gap: float, grid: Decision | None, reformed: Decision) -> bool:
+        """Nodes joined a re-formed grid: is keeping it (no pause, nothing lost) worth more than
+        taking them in?"""
+        assert self.layout is not None
+        stay = Decision("reconfigure", self.layout.iteration_s, self.layout.label, keep_in_flight=True)
+        score = self._score(stay, gap, False, view.knobs)
+        return score >= self._score(reformed, gap, False, view.knobs) and score >= self._score(grid, gap, True, view.knobs)
+
     def react(self, view: View) -> Decision | None:
         if not view.slot_changes:
             return None
@@ -101,6 +110,8 @@ class Adaptive:
                 rollback=False,
                 note="re-formed: faster than re-routing over the expected gap",
             )
+        if self.layout is not None and joined_only(view) and self._stays(view, gap, grid, reformed):
+            return None  # the new nodes wait for the next change, as Oobleck's do
         if grid is not None and self._score(grid, gap, True, knobs) >= self._score(reformed, gap, False, knobs):
             chosen, self.layout = grid, None
         else:
