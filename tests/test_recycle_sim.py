@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from frenzy_prefect.errors import FrenzyError
-from frenzy_prefect.recycle.iteration import IterationTimes, balanced_reroute_bound
+from frenzy_prefect.recycle.iteration import IterationTimes, StepTimeTable, balanced_reroute_bound, from_step_time_table
 from frenzy_prefect.recycle.knobs import Knobs
 from frenzy_prefect.recycle.membership import Membership
 from frenzy_prefect.recycle.policies import POLICIES, make_policy
@@ -53,13 +53,38 @@ def test_one_permanent_failure_recycle_runs_at_samples_over_rerouted_time():
     assert result.events[1].downtime_s == 2.0 and result.events[1].iteration_s == 20.0
 
 
-def test_a_rejoining_node_copies_state_while_the_others_keep_rerouting_then_takes_its_work_back():
+def test_a_rejoining_node_starts_up_while_the_others_reroute_then_copies_state_at_an_iteration_boundary():
     result = run("recycle", trace(8, (100, "remove", "node2"), (300, "add", "node2")), horizon=1000.0)
     rejoin = result.events[-1]
-    assert rejoin.kind == "rejoin" and rejoin.downtime_s == 0 and rejoin.delay_s == 10.0 and rejoin.iteration_s == T
-    # 10 iterations, 2 s detection, re-routed (bound: 2x) 198 s + 10 s copy, then fault-free to 1000 s
-    rerouted = (300 - 102 + 10) / 20
-    assert result.completed_samples == pytest.approx(16 * (10 + rerouted + (1000 - 310) / T), abs=16)
+    # the node is up 45 s after it arrives; the copy (10 s) waits for the boundary and pauses everyone
+    assert rejoin.kind == "rejoin" and rejoin.time_s == 345 and rejoin.downtime_s == 10 and rejoin.iteration_s == T
+    assert rejoin.lost_samples == 0
+    # 10 iterations to 100 s; 2 s detection; re-routed (bound: 2x) iterations end at 122, ..., 342, 362:
+    # the one running at 345 s finishes (13 in all); copy to 372 s; 62 fault-free iterations to 1000 s
+    assert result.completed_samples == 16 * (10 + 13 + 62)
+
+
+def test_every_policy_redoes_the_interrupted_iteration_except_bamboos_failover():
+    """A death halfway through an iteration: the first iteration after the pause ends a whole new
+    iteration later, except where the real system salvages the interrupted one."""
+    for policy in POLICIES:
+        fault_free_s = run(policy, trace(8), horizon=100.0).events[0].iteration_s
+        failure = 10.5 * fault_free_s
+        tr = trace(8, (failure, "remove", "node8"))
+        switch = run(policy, tr, horizon=1000.0, checkpoint_interval_s=100).events[1]
+        # a quarter of the new iteration after the pause: only a salvaged iteration has ended
+        horizon = failure + switch.downtime_s + 0.75 * switch.iteration_s
+        result = run(policy, tr, horizon=horizon, checkpoint_interval_s=100)
+        salvaged = result.completed_samples // 16 - 10
+        assert salvaged == (1 if policy == "bamboo" else 0), (policy, switch.kind)
+        assert result.lost_samples == 0  # the checkpoint at 100 s or later holds everything completed
+
+
+def test_recycle_redoes_the_interrupted_iteration_after_detection():
+    # failure at 105 s, halfway through iteration 11; 2 s detection; the re-routed iteration (20 s)
+    # restarts at 107 s: iterations end at 127, 147, 167, 187 -- four by 200 s, not five
+    result = run("recycle", trace(8, (105, "remove", "node3")), horizon=200.0)
+    assert result.completed_samples == 16 * (10 + 4)
 
 
 def test_checkpoint_restart_loses_exactly_the_work_since_the_last_checkpoint():
@@ -147,6 +172,37 @@ def test_adaptive_is_never_below_oobleck_when_nodes_only_leave():
             assert adaptive.throughput >= oobleck.throughput * 0.999
 
 
+def every_10_minutes(nodes=30, failures=14):
+    """The shape of Oobleck's artifact trace 10m.csv: all nodes at 0, one leaves every 10 minutes."""
+    adds = [NodeEvent(time_s=0, kind="add", node=f"node{k}") for k in range(1, nodes + 1)]
+    return FailureTrace(
+        name="10m",
+        events=adds + [NodeEvent(time_s=600.0 * (i + 1), kind="remove", node=f"node{7 * i % nodes + 1}") for i in range(failures)],
+    )
+
+
+@pytest.mark.parametrize(("reroute_slowdown", "better"), [(1.05, "recycle"), (1.3, "oobleck")])
+def test_adaptive_learns_frequent_failures_from_the_trace_and_is_not_worse_than_the_better_mode(reroute_slowdown, better):
+    """Failures every 10 minutes, re-forming at a 60 s pause: re-routing 5% slower than a re-formed
+    grid is the better mode (a prior of one failure an hour would pick re-forming for the first
+    several failures); 30% slower, re-forming is."""
+    model = IterationTimes(5, 6, 8, lambda d, p: T * 30 / (d * p), lambda f: T * 30 / (30 - sum(f)) * reroute_slowdown)
+    tr, knobs = every_10_minutes(), Knobs(oobleck_reconfigure_s=60)
+    results = {p: simulate(model, tr, make_policy(p), samples_per_iteration=64, knobs=knobs) for p in ("recycle", "oobleck", "adaptive")}
+    assert max(results, key=lambda p: results[p].throughput if p != "adaptive" else 0) == better
+    assert results["adaptive"].throughput >= max(results["recycle"].throughput, results["oobleck"].throughput) * (1 - 1e-9)
+
+
+def test_adaptive_keeps_a_reformed_grid_when_taking_a_joining_node_in_costs_more_than_it_gains():
+    model = IterationTimes(5, 6, 8, lambda d, p: T * 30 / (d * p), lambda f: 3 * T)  # re-routing is slow: re-form
+    tr = trace(30, (100, "remove", "node7"), (200, "add", "node7"))  # node7 is up again at 245 s
+    frequent = run("adaptive", tr, model=model, horizon=2000.0)
+    # changes every ~120 s so far: one more node (30/29 faster) is not worth a pause and a lost iteration
+    assert [(e.time_s, e.kind) for e in frequent.events] == [(0, "start"), (100, "reconfigure")]
+    rare = run("adaptive", tr, model=model, horizon=2000.0, expected_gap_s=36000)
+    assert [(e.time_s, e.kind, e.grid) for e in rare.events][2] == (245, "reconfigure", "5x6")
+
+
 def test_a_job_starts_with_whatever_nodes_the_trace_has_first():
     tr = FailureTrace(
         name="t",
@@ -158,8 +214,12 @@ def test_a_job_starts_with_whatever_nodes_the_trace_has_first():
     # every stage has one live worker: ReCycle starts on the full grid, re-routing around the holes
     assert result.events[0].grid == "2x4" and result.events[0].iteration_s == pytest.approx(2 * T)
     assert result.events[1].kind == "rejoin" and result.events[1].iteration_s == T
+    assert result.events[1].time_s == 200 + 45 - 60  # the added nodes are up 45 s after they arrive
     oobleck = run("oobleck", tr, horizon=1000.0)
-    assert oobleck.events[0].grid == "1x4" and oobleck.events[1].grid == "2x4"
+    # Oobleck's artifact takes added nodes in only at the next failure's reconfiguration
+    assert [(e.kind, e.grid) for e in oobleck.events] == [("start", "1x4")]
+    failing = FailureTrace(name="t", events=tr.events + [NodeEvent(time_s=500, kind="remove", node="node5")])
+    assert [(e.kind, e.grid) for e in run("oobleck", failing, horizon=1000.0).events] == [("start", "1x4"), ("reconfigure", "2x3/4")]
 
 
 def test_busy_traces_replay_quickly_and_consistently():
@@ -197,5 +257,44 @@ def test_no_policy_beats_fault_free_and_the_books_balance(flips):
         assert result.counts["start"] == 1 and result.events[0].kind == "start"
     free = run("recycle", tr, model=grid(reroute=lambda f: T), horizon=2000.0, detection_s=0, state_copy_s=0)
     if free.stage_wipeouts == 0 and free.counts.get("reconfigure", 0) == 0:
-        # re-routing that costs nothing keeps fault-free throughput through any failures
-        assert free.completed_samples == 200 * 16
+        # re-routing that costs nothing keeps fault-free throughput through any failures, but for
+        # the interrupted iteration each one redoes
+        assert 16 * (200 - free.counts.get("reroute", 0)) <= free.completed_samples <= 16 * 200
+
+
+def table_grid(seconds, reroute=None):
+    """A 2 x 4 grid timed by a step-time table (re-routing injected, else the table alone)."""
+    return from_step_time_table(StepTimeTable(seconds), dp=2, pp=4, microbatches=8, reroute=reroute or (lambda f: 0.0))
+
+
+def test_every_policy_reads_the_step_time_table_at_the_workers_it_runs_on():
+    model = table_grid({8: 10.0, 7: 11.0, 6: 13.0, 4: 20.0}, reroute=lambda f: 10.5)
+    tr = trace(8, (100, "remove", "node8"))
+    first = {policy: run(policy, tr, model=model, horizon=1000.0).events[1] for policy in POLICIES}
+    # Oobleck's templates use all 7 nodes; ReCycle's grid with a hole runs on 7 too, and its planner's
+    # 10.5 s cannot beat what the table says 7 workers do; checkpoint-restart's homogeneous 2 x 3 runs on 6
+    assert first["oobleck"].iteration_s == 11.0 and first["recycle"].iteration_s == 11.0
+    assert first["checkpoint_restart"].grid == "2x3" and first["checkpoint_restart"].iteration_s == 13.0
+    assert first["drop_pipeline"].iteration_s == 20.0  # one pipeline of 4
+    assert first["bamboo"].iteration_s == pytest.approx(10.0 * Knobs().bamboo_overhead * Knobs().bamboo_failover_slowdown)
+    slow = table_grid({8: 10.0, 7: 11.0}, reroute=lambda f: 12.5)
+    assert run("recycle", tr, model=slow, horizon=1000.0).events[1].iteration_s == 12.5  # the planner's slower schedule stands
+
+
+def test_a_zero_in_the_step_time_table_means_that_many_workers_cannot_run():
+    table = StepTimeTable({8: 10.0, 7: 11.0, 6: 0.0})
+    assert table.step_s(6) is None and table.step_s(5) is None  # below a 0 entry: cannot run either
+    assert table_grid({8: 10.0, 6: 0.0}).layout_s((3, 4)) is None  # 7 lies next to a 0: cannot run
+    model = table_grid(table.seconds)
+    tr = trace(8, (100, "remove", "node8"), (200, "remove", "node7"), (400, "add", "node7"))
+    for policy in ("recycle", "oobleck", "adaptive", "checkpoint_restart"):
+        result = run(policy, tr, model=model, horizon=1000.0)
+        assert [e.kind for e in result.events][2] == "stall", policy  # 6 workers: nothing runs
+        assert result.events[3].time_s == 445, policy  # node7 is up 45 s after 400 s
+        if policy == "checkpoint_restart":  # its homogeneous grids on 7 nodes (2 x 3, 1 x 4) use 6 or fewer
+            assert result.events[3].kind == "stall" and result.completed_samples == 16 * 10
+            continue
+        assert result.events[3].iteration_s == 11.0, policy
+        assert 240 < result.stalled_s <= 245, policy  # nothing ran from the (pause after the) loss to then
+    with pytest.raises(FrenzyError, match="the step-time table says 8 workers cannot run"):
+        table_grid({8: 0.0, 4: 3.0})

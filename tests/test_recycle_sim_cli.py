@@ -53,32 +53,36 @@ def test_json_from_a_step_time_table(trace, tmp_path):
 def test_the_table_uses_the_throughput_model_by_default_and_a_mapping(trace, tmp_path):
     mapping = tmp_path / "map.csv"
     mapping.write_text("node1,0,0\nnode2,1,0\nnode3,0,1\nnode4,1,1\n")  # node2 holds stage 0 of pipeline 1
-    result = runner.invoke(
-        app,
-        [
-            "recycle",
-            "simulate",
-            "--trace",
-            str(trace),
-            "--dp",
-            "2",
-            "--pp",
-            "2",
-            "--microbatches",
-            "4",
-            "--mapping",
-            str(mapping),
-            "--policy",
-            "drop_pipeline",
-            "--knob",
-            "drop_reform_s=5",
-            "--horizon-s",
-            "7200",
-        ],
-        env={"COLUMNS": "150"},
-    )
+    args = [
+        "recycle",
+        "simulate",
+        "--trace",
+        str(trace),
+        "--dp",
+        "2",
+        "--pp",
+        "2",
+        "--microbatches",
+        "4",
+        "--mapping",
+        str(mapping),
+        "--policy",
+        "drop_pipeline",
+        "--knob",
+        "drop_reform_s=5",
+        "--horizon-s",
+        "7200",
+    ]
+    result = runner.invoke(app, args, env={"COLUMNS": "150"})
     assert result.exit_code == 0, result.output
-    assert "ratio to fault-free" in result.stdout and "drop-pipeline 1, reconfigure 1" in result.stdout
+    assert "drop-pipeline 1, reconfigure 1" in result.stdout
+    # both throughputs, over the fixed window and over the training span, each with its ratio
+    out = json.loads(runner.invoke(app, [*args, "--json"]).stdout)
+    window = next(line for line in result.stdout.splitlines() if "throughput (window)" in line)
+    span = next(line for line in result.stdout.splitlines() if "throughput (training span)" in line)
+    assert f"{out['throughput']:.2f} samples/s, {out['ratio']:.1%}" in window
+    assert f"{out['span_throughput']:.2f} samples/s, {out['span_ratio']:.1%}" in span
+    assert out["throughput"] != out["span_throughput"]
 
 
 @pytest.mark.parametrize(
@@ -89,6 +93,7 @@ def test_the_table_uses_the_throughput_model_by_default_and_a_mapping(trace, tmp
         (["--knob", "restart_s=-1"], "restart_s: Input should be greater than or equal to 0"),
         (["--gpu", "B300"], "unknown GPU type 'B300'"),
         (["--horizon-s", "0"], "the horizon must be positive"),
+        (["--step-time-table", "steps.json"], "--step-time-table needs --samples-per-step"),
     ],
 )
 def test_bad_input_is_one_line_on_stderr_and_exit_2(trace, extra, message):

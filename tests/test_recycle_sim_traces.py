@@ -2,18 +2,23 @@
 
 import json
 import statistics
+from pathlib import Path
 
 import pytest
 
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.recycle.iteration import (
     IterationTimes,
+    StepTimeTable,
     balanced_reroute_bound,
     from_step_time_table,
     from_throughput_model,
     load_step_time_table,
 )
+from frenzy_prefect.recycle.knobs import Knobs
 from frenzy_prefect.recycle.membership import Membership, load_mapping
+from frenzy_prefect.recycle.policies import make_policy
+from frenzy_prefect.recycle.replay import simulate
 from frenzy_prefect.recycle.traces import NodeEvent, load_failure_trace, shrink_trace, transient_trace
 from frenzy_prefect.scheduling.inputs import shared_traces
 
@@ -126,7 +131,8 @@ def test_the_step_time_table_interpolates_throughput_and_rejects_bad_files(tmp_p
     for body, message in [
         ("[1, 2]", "expected a non-empty JSON object"),
         ('{"x": 1}', "key 'x' is not a positive whole number of workers"),
-        ('{"8": -1}', "workers 8: step time -1 is not a positive number of seconds"),
+        ('{"8": -1}', r"workers 8: step time -1 is not a number of seconds >= 0 \(0: cannot run on that many workers\)"),
+        ('{"8": "fast"}', "workers 8: step time 'fast' is not a number of seconds"),
         ("{", r"steps\.json:1:2: not JSON"),
     ]:
         path.write_text(body)
@@ -169,3 +175,23 @@ def test_the_optimistic_bound_hides_rerouted_work_in_bubbles_until_they_are_full
     assert bound((1, 0, 0, 0)) == pytest.approx(10.0 * (32 * 8 / 7) / 35)  # 36.6 micro-batches in 35 slots
     assert bubble_filling_bound(10.0, dp=8, pp=8, microbatches=32)((1, 0, 0, 0, 0, 0, 0, 0)) == 10.0  # 36.6 fit in 39
     assert bound((2, 0, 0, 0)) < balanced_reroute_bound(10.0, 8)((2, 0, 0, 0))
+
+
+ARTIFACT = Path(__file__).parent.parent / "benchmarks" / "data" / "oobleck_artifact"
+
+
+@pytest.mark.parametrize("model", ["GPT-3-6_7b", "BERT-large"])
+@pytest.mark.parametrize("trace", ["1h", "10m"])
+def test_our_oobleck_reproduces_oobleck_artifact_simulator_on_its_shrinking_traces(model, trace):
+    """The artifact's own figures (recorded by running it, see benchmarks/data/oobleck_artifact),
+    its step times as our table and its pause as our knob: within 2% over the training span."""
+    artifact = json.loads((ARTIFACT / "artifact.json").read_text())
+    spec = artifact["models"][model]
+    figure = next(f["samples_per_s"] for f in artifact["oobleck"] if f["model"] == model and f["trace"] == trace)
+    table = StepTimeTable({int(n): s for n, s in spec["step_s_by_nodes"].items()})
+    times = from_step_time_table(table, dp=5, pp=6, microbatches=16)
+    knobs = Knobs(oobleck_reconfigure_s={"GPT-3-6_7b": 10, "BERT-large": 2}[model])
+    nodes = load_failure_trace(ARTIFACT / "traces" / f"{trace}.csv")
+    ours = simulate(times, nodes, make_policy("oobleck"), samples_per_iteration=spec["samples_per_step"], knobs=knobs)
+    assert ours.counts == {"start": 1, "reconfigure": 14}
+    assert ours.span_throughput == pytest.approx(figure, rel=0.02)

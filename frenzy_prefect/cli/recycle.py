@@ -35,7 +35,10 @@ def simulate(
         None, "--step-time-table", help='JSON {"alive workers": fault-free step seconds}; default: the throughput model.'
     ),
     samples_per_step: int | None = typer.Option(
-        None, "--samples-per-step", min=1, help="Global batch in samples; needed with --step-time-table (default dp * microbatches)."
+        None,
+        "--samples-per-step",
+        min=1,
+        help="Global batch in samples: required with --step-time-table (its steps' batch); default dp * microbatches otherwise.",
     ),
     model: str = typer.Option("gpt2-xl", "--model", help="Throughput model only: preset name or HF config.json."),
     gpu: str = typer.Option("A100-80GB", "--gpu", help="Throughput model only: a catalog GPU type."),
@@ -53,6 +56,8 @@ def simulate(
     from frenzy_prefect.recycle.replay import simulate as replay
     from frenzy_prefect.recycle.traces import load_failure_trace
 
+    if step_time_table is not None and samples_per_step is None:
+        raise FrenzyError("--step-time-table needs --samples-per-step: the global batch in samples that one step of the table processes")
     chosen = make_policy(policy)
     knobs = _knobs(knob)
     if step_time_table is not None:
@@ -73,10 +78,9 @@ def simulate(
         typer.echo(result.model_dump_json())
         return
     rows = [
-        ("throughput (window)", f"{result.throughput:.2f} samples/s"),
+        ("throughput (window)", f"{result.throughput:.2f} samples/s, {result.ratio:.1%} of fault-free"),
+        ("throughput (training span)", f"{result.span_throughput:.2f} samples/s, {result.span_ratio:.1%} of fault-free"),
         ("fault-free throughput", f"{result.fault_free_throughput:.2f} samples/s"),
-        ("ratio to fault-free", f"{result.ratio:.1%}"),
-        ("ratio over the training span", f"{result.span_ratio:.1%}"),
         ("window", f"{result.horizon_s / 3600:.2f} h from t={result.start_s:g} s, {result.workers_at_start} workers at start"),
         ("recovery events", ", ".join(f"{k} {n}" for k, n in result.counts.items() if k != "start") or "none"),
         ("downtime / stalled", f"{result.downtime_s:.0f} s / {result.stalled_s:.0f} s"),

@@ -1,19 +1,26 @@
 """How long one training iteration takes on a grid, with and without failures: the only thing
 the failure replay needs to know about the model and the hardware.
 
-Two fault-free sources: the project's throughput model (``predict_step``), or a step-time table
-of measured/published numbers. ReCycle's iteration time under failures (``rerouted_s``) comes
-from the planner (``planned_reroute``: the heuristic's schedule for each failure key, per-action
-costs inverted from the fault-free step) unless another callable is given;
-``balanced_reroute_bound`` (pessimistic) and ``bubble_filling_bound`` (optimistic, though W
-deferral can beat it) are analytic references, for tests and for bracketing the planner.
+One lookup serves every policy: ``layout_s(stages)``, the iteration time of pipelines with these
+stage counts (None: that configuration cannot run). Two sources behind it: the project's
+throughput model (``predict_step``, per grid shape; pipelines of different depths each contribute
+their share of the rate), or a step-time table of measured/published numbers keyed by worker
+count, read at the number of workers the configuration runs on -- for Oobleck's templates and for
+ReCycle's grid with holes, every alive worker. ReCycle's iteration time under failures
+(``rerouted_s``) comes from the planner (``planned_reroute``: the heuristic's schedule for each
+failure key, per-action costs inverted from the fault-free step) unless another callable is given;
+with a table, it is never faster than the table's time for the alive workers (no policy gets more
+out of n workers than the table says n workers do), and where the table says the alive count
+cannot run, ReCycle stalls too. ``balanced_reroute_bound`` (pessimistic) and
+``bubble_filling_bound`` (optimistic, though W deferral can beat it) are analytic references, for
+tests and for bracketing the planner.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -24,7 +31,7 @@ from frenzy_prefect.spec.gpu import GpuType
 from frenzy_prefect.spec.model import ModelSpec
 
 Reroute = Callable[[tuple[int, ...]], float]
-FaultFree = Callable[[int, int], float]
+FaultFree = Callable[[int, int], float | None]
 
 
 class IterationModel(Protocol):
@@ -34,12 +41,18 @@ class IterationModel(Protocol):
     pp: int
     microbatches: int
 
-    def fault_free_s(self, dp: int, pp: int) -> float:
-        """One iteration of the full global batch on a dp x pp grid (layers re-partitioned over pp stages)."""
+    def layout_s(self, stages: Sequence[int]) -> float | None:
+        """One iteration of the full global batch on pipelines of these stage counts (layers
+        re-partitioned over each pipeline's stages); None: this configuration cannot run."""
         ...
 
-    def rerouted_s(self, failures_per_stage: tuple[int, ...]) -> float:
-        """ReCycle's iteration time on the original grid with these failures per stage."""
+    def fault_free_s(self, dp: int, pp: int) -> float | None:
+        """``layout_s`` of a homogeneous dp x pp grid."""
+        ...
+
+    def rerouted_s(self, failures_per_stage: tuple[int, ...]) -> float | None:
+        """ReCycle's iteration time on the original grid with these failures per stage; None: the
+        alive workers cannot run the job."""
         ...
 
 
@@ -82,19 +95,33 @@ def bubble_filling_bound(fault_free_s: float, dp: int, pp: int, microbatches: in
 
 @dataclass(frozen=True)
 class IterationTimes:
-    """An IterationModel from two callables. ``reroute`` defaults to ``planned_reroute`` (the
-    heuristic planner, keys planned on first use)."""
+    """An IterationModel from two callables. ``fault_free(d, p)``: a homogeneous d x p grid's
+    iteration (None: cannot run). ``reroute`` defaults to ``planned_reroute`` (the heuristic
+    planner, keys planned on first use). ``by_workers``: a step-time table's lookup by worker
+    count; when given, every configuration is read from it at the workers it runs on."""
 
     dp: int
     pp: int
     microbatches: int
     fault_free: FaultFree
     reroute: Reroute | None = None
+    by_workers: Callable[[int], float | None] | None = None
 
-    def fault_free_s(self, dp: int, pp: int) -> float:
-        return self.fault_free(dp, pp)
+    def layout_s(self, stages: Sequence[int]) -> float | None:
+        if not stages or min(stages) <= 0:
+            raise FrenzyError(f"a layout needs at least one pipeline of at least one stage, got {list(stages)}")
+        if self.by_workers is not None:
+            return self.by_workers(sum(stages))
+        # each of the P pipelines takes 1/P of the global batch, at the rate of a homogeneous P x k grid
+        times = [self.fault_free(len(stages), k) for k in stages]
+        if any(t is None for t in times):
+            return None
+        return 1 / sum(1 / (len(stages) * t) for t in times)  # type: ignore[operator]
 
-    def rerouted_s(self, failures_per_stage: tuple[int, ...]) -> float:
+    def fault_free_s(self, dp: int, pp: int) -> float | None:
+        return self.layout_s((pp,) * dp)
+
+    def rerouted_s(self, failures_per_stage: tuple[int, ...]) -> float | None:
         if len(failures_per_stage) != self.pp:
             raise FrenzyError(f"failures per stage must have {self.pp} entries (one per stage), got {len(failures_per_stage)}")
         if any(f < 0 or f >= self.dp for f in failures_per_stage):
@@ -103,12 +130,24 @@ class IterationTimes:
                 " a stage with no live replica cannot be re-routed around"
             )
         if not any(failures_per_stage):
-            return self.fault_free_s(self.dp, self.pp)
-        return (self.reroute or self._planned)(failures_per_stage)
+            return self.full_grid_s
+        planned = (self.reroute or self._planned)(failures_per_stage)
+        if self.by_workers is None:
+            return planned
+        alive = self.by_workers(self.dp * self.pp - sum(failures_per_stage))
+        return None if alive is None else max(planned, alive)
+
+    @cached_property
+    def full_grid_s(self) -> float:
+        """The original grid's fault-free iteration: what throughput ratios are relative to."""
+        full = self.fault_free_s(self.dp, self.pp)
+        if full is None:
+            raise FrenzyError(f"the full {self.dp} x {self.pp} grid cannot run by its step times; nothing to compare against")
+        return full
 
     @cached_property
     def _planned(self) -> Reroute:
-        return planned_reroute(self.fault_free_s(self.dp, self.pp), self.dp, self.pp, self.microbatches)
+        return planned_reroute(self.full_grid_s, self.dp, self.pp, self.microbatches)
 
 
 def from_throughput_model(
@@ -146,27 +185,32 @@ def from_throughput_model(
 class StepTimeTable:
     """Fault-free step seconds by number of alive workers, e.g. a system's published throughput.
 
-    File format (JSON): ``{"32": 1.20, "24": 1.71, "16": 2.55}`` -- keys are worker counts
-    (positive integers), values the seconds of one step of the same global batch. For a count
-    between two entries, throughput (1/step) is interpolated linearly; below the smallest entry
-    throughput scales in proportion to the workers (per-worker throughput held); above the
-    largest entry the largest entry's time is used (extra workers beyond the table add nothing).
-    The grid (dp * pp) shape does not matter, only its worker count."""
+    File format (JSON): ``{"32": 1.20, "24": 1.71, "16": 2.55, "15": 0}`` -- keys are worker
+    counts (positive integers), values the seconds of one step of the same global batch; 0 means
+    the job cannot run on that many workers (e.g. the model does not fit), so a policy stalls
+    there. For a count between two entries, throughput (1/step) is interpolated linearly (a
+    neighbour that cannot run makes the count unrunnable too); below the smallest entry
+    throughput scales in proportion to the workers (per-worker throughput held), unless that entry
+    cannot run; above the largest entry the largest entry's time is used (extra workers beyond
+    the table add nothing). The grid (dp * pp) shape does not matter, only its worker count."""
 
     seconds: dict[int, float]
 
-    def step_s(self, workers: int) -> float:
+    def step_s(self, workers: int) -> float | None:
+        """Seconds per step on ``workers`` workers; None: cannot run on that many."""
         if workers <= 0:
             raise FrenzyError(f"a step needs at least one worker, got {workers}")
         counts = sorted(self.seconds)
         if workers in self.seconds:
-            return self.seconds[workers]
+            return self.seconds[workers] or None
         if workers < counts[0]:
-            return self.seconds[counts[0]] * counts[0] / workers
+            return self.seconds[counts[0]] * counts[0] / workers or None
         if workers > counts[-1]:
-            return self.seconds[counts[-1]]
+            return self.seconds[counts[-1]] or None
         upper = next(c for c in counts if c > workers)
         lower = max(c for c in counts if c < workers)
+        if not self.seconds[lower] or not self.seconds[upper]:
+            return None
         weight = (workers - lower) / (upper - lower)
         rate = (1 - weight) / self.seconds[lower] + weight / self.seconds[upper]
         return 1 / rate
@@ -187,14 +231,18 @@ def load_step_time_table(path: Path) -> StepTimeTable:
     for key, value in raw.items():
         if not str(key).isdigit() or int(key) <= 0:
             raise FrenzyError(f"{path}: key {key!r} is not a positive whole number of workers")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-            raise FrenzyError(f"{path}: workers {key}: step time {value!r} is not a positive number of seconds")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise FrenzyError(
+                f"{path}: workers {key}: step time {value!r} is not a number of seconds >= 0 (0: cannot run on that many workers)"
+            )
         seconds[int(key)] = float(value)
     return StepTimeTable(seconds)
 
 
 def from_step_time_table(table: StepTimeTable, *, dp: int, pp: int, microbatches: int, reroute: Reroute | None = None) -> IterationTimes:
-    return IterationTimes(dp, pp, microbatches, lambda d, p: table.step_s(d * p), reroute)
+    if table.step_s(dp * pp) is None:
+        raise FrenzyError(f"the step-time table says {dp * pp} workers cannot run (0), but the {dp} x {pp} grid needs them")
+    return IterationTimes(dp, pp, microbatches, lambda d, p: table.step_s(d * p), reroute, by_workers=table.step_s)
 
 
 DEFAULT_MODEL = "gpt2-xl"  # 1.5B parameters, 48 layers: splits evenly over 2, 4, 8 or 16 stages

@@ -15,9 +15,9 @@ class Knobs(BaseModel):
     detection_s: float = Field(
         2.0,
         ge=0,
-        description="From a worker's death to the survivors running the adapted schedule. The launcher's waitpid "
-        "or a heartbeat sees a dead rank in under a second, and survivors re-form gloo/NCCL groups in "
-        "milliseconds; 2 s leaves room for a plan-cache lookup. The whole job stalls meanwhile.",
+        description="ReCycle's pause after a worker's death: survivors detect it (well under a second), re-form their "
+        "process groups in-process and look up the adapted schedule; then they redo the interrupted iteration from "
+        "its start. 2 s is an allowance until the live runtime measures it. The whole job stalls meanwhile.",
     )
     restart_s: float = Field(
         120.0,
@@ -37,19 +37,37 @@ class Knobs(BaseModel):
         description="Pause to take a checkpoint. 0: asynchronous checkpointing (torch.distributed.checkpoint "
         "async_save, CheckFreq) overlaps the write with training.",
     )
+    join_delay_s: float = Field(
+        45.0,
+        ge=0,
+        description="A node added by the trace starts up (instance creation, process start) this long before any "
+        "policy can use it; the others keep training meanwhile. 45 s is Oobleck's artifact simulator's "
+        "spot_instance_creation_time (SymbioticLab/Oobleck, branch sosp23-artifact, "
+        "tools/simulator/oobleck_simulator.py line 203, applied at lines 993-996).",
+    )
     state_copy_s: float = Field(
         10.0,
         ge=0,
-        description="A node that takes a slot copies its stage's model states from a live peer: 16 B/parameter of "
-        "mixed-precision Adam, e.g. a 1.3B-parameter stage is 21 GB, about 2 s at 100 Gb/s, plus process start and "
-        "group join. The others keep training meanwhile (ReCycle re-routes until it is ready).",
+        description="ReCycle's re-join: once a started replacement reaches an iteration boundary, the job pauses while a "
+        "live peer of its stage sends it weights and optimizer state (16 B/parameter of mixed-precision Adam, e.g. a "
+        "1.3B-parameter stage is 21 GB, about 2 s at 100 Gb/s, plus group re-forming); then the fault-free schedule "
+        "resumes. No work is lost (the copy is at a boundary).",
     )
     reconfigure_s: float = Field(
         30.0,
         ge=0,
-        description="Re-forming pipelines without a checkpoint load (Oobleck's template re-instantiation, a "
-        "re-partitioned grid): layers move between live nodes and groups re-form. Tens of seconds assumed; "
-        "the in-flight iteration is lost.",
+        description="Re-forming pipelines without a checkpoint load, other than Oobleck's templates (ReCycle's re-formed "
+        "grid and its return to the original grid, Bamboo taking in nodes): layers move between live nodes and "
+        "groups re-form. Tens of seconds assumed; the interrupted iteration is lost.",
+    )
+    oobleck_reconfigure_s: float = Field(
+        10.0,
+        ge=0,
+        description="Oobleck's pause per reconfiguration (re-instantiating pipelines from templates; also the adaptive "
+        "policy's when it re-forms). Oobleck's artifact simulator sets it by model: 2 s for BERT-large and GPT-2, 3 s "
+        "GPT-3 medium, 6 s GPT-3 2.7B, 10 s GPT-3 6.7B (local_rendezvous_timeout_delta, "
+        "tools/simulator/oobleck_simulator.py lines 253, 266, 282, 295, 307 on branch sosp23-artifact; added per "
+        "failure at lines 883-887). Default: the 6.7B model's 10 s; set 2 for models of BERT-large's size.",
     )
     drop_reform_s: float = Field(
         60.0,
@@ -82,7 +100,8 @@ class Knobs(BaseModel):
         None,
         gt=0,
         description="Adaptive policy: expected time to the next membership change, over which a reconfiguration's "
-        "cost is amortised. None: the mean gap observed so far, starting from 1 h.",
+        "cost is amortised. None: estimated from the trace as it arrives -- the time since the job started divided "
+        "by the changes seen so far (the maximum-likelihood mean gap of a Poisson process; no prior constant).",
     )
 
     def stages_floor(self, pp: int) -> int:

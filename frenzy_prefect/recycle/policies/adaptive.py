@@ -1,20 +1,32 @@
 """Adaptive (beyond both papers): at every change, weigh re-routing on the original grid (ReCycle)
 against re-forming the fastest grid the nodes allow (Oobleck's templates: pipelines of k and k+1
-stages), and take whichever completes more samples before the next expected change, net of its
-cost: pause, plus the in-flight iteration (counted as half an iteration) for a re-form -- over
-this gap and the next, so the mode's cost per later change counts too (re-routing pays the
-detection delay, a re-formed grid re-forms again). The expected gap is ``Knobs.expected_gap_s``
-or the mean gap between changes seen so far.
+stages, at ``oobleck_reconfigure_s``), and take whichever completes more iterations before the
+next expected change, net of its cost -- over this gap and the next, so the mode's cost per later
+change counts too: re-routing pays ``detection_s`` and redoes the interrupted iteration (as the
+runtime does), a re-formed grid re-forms again and loses it too (counted as half an iteration).
+
+The expected gap is ``Knobs.expected_gap_s``, or learnt from the trace as it arrives: the time
+since the job started over the changes seen so far (the maximum-likelihood mean gap of a Poisson
+process), with no prior constant; before any change, only the steady-state speeds are compared.
+When nodes join a re-formed grid, keeping it as it is (Oobleck's choice) is a third option.
 If a stage's state is lost, both options are restarts from the last checkpoint."""
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
 from frenzy_prefect.recycle.knobs import Knobs
-from frenzy_prefect.recycle.policies.base import Decision, Layout, View, from_layout, grid_label, reform
+from frenzy_prefect.recycle.policies.base import Decision, Layout, View, from_layout, grid_label, joined_only, reform
+from frenzy_prefect.recycle.policies.recycle import on_grid
 
-PRIOR_GAP_S = 3600.0
+
+def expected_gap_s(view: View) -> float:
+    """The knob, or the observed mean gap between changes since the start (inf: none yet)."""
+    if view.knobs.expected_gap_s:
+        return view.knobs.expected_gap_s
+    changes = sum(t > view.start_s for t in view.slot_change_times)
+    return (view.now - view.start_s) / changes if changes else math.inf
 
 
 class Adaptive:
@@ -23,12 +35,6 @@ class Adaptive:
     def __init__(self) -> None:
         self.layout: Layout | None = None  # None: on the original grid
         self.iteration_s: float | None = None
-
-    def _gap(self, view: View) -> float:
-        if view.knobs.expected_gap_s:
-            return view.knobs.expected_gap_s
-        times = view.slot_change_times
-        return (PRIOR_GAP_S + (times[-1] - times[0] if times else 0.0)) / max(1, len(times))
 
     def _on_grid(self, view: View, state_lost: bool) -> Decision | None:
         m, knobs = view.membership, view.knobs
@@ -58,19 +64,29 @@ class Adaptive:
                 restore_state=True,
                 note="back to the original grid, " + note,
             )
-        if view.lost:
-            return Decision("reroute", iteration_s, grid, pause_s=knobs.detection_s, note=note)
-        return Decision("rejoin", iteration_s, grid, delay_s=knobs.state_copy_s, note=note)
+        return on_grid(view)
 
     def _score(self, decision: Decision | None, gap: float, on_grid: bool, knobs: Knobs) -> float:
         """Iterations over this gap and the next: the switch's cost now, then the mode's cost per
-        change (re-routing pays detection; a re-formed grid re-forms again)."""
+        change (re-routing pays detection, a re-formed grid re-forms again; both redo the
+        interrupted iteration). Without an expected gap: the steady-state rate alone."""
         if decision is None or decision.iteration_s is None:
             return float("-inf")
+        if math.isinf(gap):
+            return 1 / decision.iteration_s
         lost_in_flight = 0.0 if decision.keep_in_flight or self.iteration_s is None else self.iteration_s / 2
         now = max(0.0, gap - decision.pause_s - lost_in_flight)
-        later = max(0.0, gap - (knobs.detection_s if on_grid else knobs.reconfigure_s + decision.iteration_s / 2))
+        per_change = knobs.detection_s if on_grid else knobs.oobleck_reconfigure_s
+        later = max(0.0, gap - per_change - decision.iteration_s / 2)
         return (now + later) / decision.iteration_s
+
+    def _stays(self, view: View, gap: float, grid: Decision | None, reformed: Decision) -> bool:
+        """Nodes joined a re-formed grid: is keeping it (no pause, nothing lost) worth more than
+        taking them in?"""
+        assert self.layout is not None
+        stay = Decision("reconfigure", self.layout.iteration_s, self.layout.label, keep_in_flight=True)
+        score = self._score(stay, gap, False, view.knobs)
+        return score >= self._score(reformed, gap, False, view.knobs) and score >= self._score(grid, gap, True, view.knobs)
 
     def react(self, view: View) -> Decision | None:
         if not view.slot_changes:
@@ -79,7 +95,7 @@ class Adaptive:
         if self.layout is not None and not self.layout.uses(view.lost) and not any(c.kind == "filled" for c in view.slot_changes):
             return None
         state_lost = bool(m.lost_stages()) if self.layout is None else self.layout.layers_lost(view.lost)
-        gap = self._gap(view)
+        gap = expected_gap_s(view)
         grid = self._on_grid(view, state_lost)
         layout = reform(view, heterogeneous=True)
         if state_lost:
@@ -90,10 +106,12 @@ class Adaptive:
             reformed = from_layout(
                 "reconfigure",
                 layout,
-                pause_s=knobs.reconfigure_s,
+                pause_s=knobs.oobleck_reconfigure_s,
                 rollback=False,
                 note="re-formed: faster than re-routing over the expected gap",
             )
+        if self.layout is not None and joined_only(view) and self._stays(view, gap, grid, reformed):
+            return None  # the new nodes wait for the next change, as Oobleck's do
         if grid is not None and self._score(grid, gap, True, knobs) >= self._score(reformed, gap, False, knobs):
             chosen, self.layout = grid, None
         else:

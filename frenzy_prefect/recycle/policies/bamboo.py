@@ -3,7 +3,10 @@ pass, so it always pays ``bamboo_overhead``. When a node fails its predecessor i
 (its shadow, stages in a ring) fails over and runs both stages: that pipeline, and with it the
 synchronous grid, runs ``bamboo_failover_slowdown`` times slower. Two adjacent dead stages in a
 pipeline leave no shadow: restart from the last checkpoint, and run only pipelines without
-adjacent holes until nodes fill them. Joining nodes are taken in at a ``reconfigure_s`` pause."""
+adjacent holes until nodes fill them. Joining nodes are taken in at a ``reconfigure_s`` pause.
+The interrupted iteration survives a failover only: the shadow already ran its successor's
+forward passes, which is what Bamboo's redundancy buys (NSDI'23); a restart or a re-formed set of
+pipelines redoes it."""
 
 from __future__ import annotations
 
@@ -28,9 +31,10 @@ class Bamboo:
         if not self.running:
             return stalled("no pipeline can fail over")
         degraded = any(m.dead_stages(p) for p in self.running)
-        iteration_s = model.fault_free_s(len(self.running), model.pp) * knobs.bamboo_overhead
-        if degraded:
-            iteration_s *= knobs.bamboo_failover_slowdown
+        base = model.fault_free_s(len(self.running), model.pp)
+        if base is None:
+            return stalled(f"{len(self.running)} pipelines cannot run by the step times")
+        iteration_s = base * knobs.bamboo_overhead * (knobs.bamboo_failover_slowdown if degraded else 1.0)
         note = f"{len(self.running)} pipelines" + (", failed over" if degraded else "")
         return Decision(kind, iteration_s, grid_label(len(self.running), model.pp), pause_s=pause_s, note=note, **extra)  # type: ignore[arg-type]
 
@@ -48,4 +52,4 @@ class Bamboo:
         hit = {c.slot // model.pp for c in view.slot_changes if c.kind == "lost" and c.slot is not None}
         if not hit & self.running:
             return None
-        return self._decide(view, "failover", knobs.detection_s)
+        return self._decide(view, "failover", knobs.detection_s, keep_in_flight=True)

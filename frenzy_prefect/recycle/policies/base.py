@@ -17,17 +17,21 @@ Kind = Literal["start", "reroute", "rejoin", "reconfigure", "checkpoint-restart"
 class Decision:
     """What the job runs from now on. ``iteration_s`` None: nothing can run (stalled).
 
-    pause_s: nobody trains; delay_s: the previous configuration keeps running this long before
-    this one applies (a re-joining node copying state); keep_in_flight: the interrupted
-    iteration's progress survives (else it is redone); rollback: back to the last checkpoint;
-    restore_state: every occupied slot holds its stage's state afterwards."""
+    The switch: the previous configuration keeps running ``delay_s`` (a joining node starting
+    up), and then, with ``at_boundary``, until its iteration ends; then nobody trains for
+    ``pause_s``; then this configuration runs. ``keep_in_flight`` (every policy states it): the
+    iteration interrupted by the switch survives with its progress -- only true where the real
+    system salvages it or the switch waits for a boundary -- else it is redone from its start.
+    rollback: back to the last checkpoint; restore_state: every occupied slot holds its stage's
+    state afterwards."""
 
     kind: Kind
     iteration_s: float | None
     grid: str
     pause_s: float = 0.0
     delay_s: float = 0.0
-    keep_in_flight: bool = True
+    keep_in_flight: bool = field(kw_only=True)
+    at_boundary: bool = False
     rollback: bool = False
     restore_state: bool = False
     note: str = ""
@@ -42,6 +46,7 @@ class View:
     changes: list[Change]
     first: bool
     slot_change_times: list[float] = field(default_factory=list)
+    start_s: float = 0.0  # when the replayed trace (and the job) started
 
     @property
     def lost(self) -> set[str]:
@@ -94,14 +99,15 @@ def occupied_nodes(membership: Membership) -> list[str]:
     return [h for h in membership.holders if h is not None]
 
 
-def reform(view: View, *, heterogeneous: bool) -> Layout | None:
+def reform(view: View, *, heterogeneous: bool, nodes: list[str] | None = None) -> Layout | None:
     """The fastest grid the occupied slots allow: at most dp pipelines of min_stages..pp stages
-    (layers re-partitioned), fewest-numbered slots first. Heterogeneous (Oobleck's templates):
-    pipelines of k and k+1 stages use every node; each pipeline contributes 1/dp' of the rate of a
-    homogeneous dp' x k grid. None: too few nodes for one pipeline."""
-    model, nodes = view.model, occupied_nodes(view.membership)
+    (layers re-partitioned), fewest-numbered slots first, timed by ``IterationModel.layout_s``.
+    Heterogeneous (Oobleck's templates): pipelines of k and k+1 stages use every node. ``nodes``:
+    the nodes to use (default every occupied slot's). None: too few nodes for one pipeline, or no
+    layout the step times say can run."""
+    model = view.model
+    nodes = occupied_nodes(view.membership) if nodes is None else nodes
     floor = view.knobs.stages_floor(model.pp)
-    samples = 1.0
     best: Layout | None = None
     for pipelines in range(1, model.dp + 1):
         if heterogeneous:
@@ -114,12 +120,14 @@ def reform(view: View, *, heterogeneous: bool) -> Layout | None:
             if stages < floor:
                 continue
             sizes = [stages] * pipelines
-        rate = sum(samples / (pipelines * model.fault_free_s(pipelines, k)) for k in sizes)
+        iteration_s = model.layout_s(sizes)
+        if iteration_s is None:
+            continue
         split, start = [], 0
         for k in sizes:
             split.append(tuple(nodes[start : start + k]))
             start += k
-        layout = Layout(tuple(split), samples / rate)
+        layout = Layout(tuple(split), iteration_s)
         if best is None or layout.iteration_s < best.iteration_s:
             best = layout
     return best
@@ -129,9 +137,22 @@ def stalled(note: str) -> Decision:
     return Decision("stall", None, "-", keep_in_flight=False, note=note)
 
 
+def joined_only(view: View) -> bool:
+    """Nodes came (started up: the replay delivers an addition ``join_delay_s`` late) and none left."""
+    return not view.lost and any(c.kind == "filled" for c in view.slot_changes)
+
+
 def from_layout(kind: Kind, layout: Layout | None, *, pause_s: float, rollback: bool, note: str) -> Decision:
+    """Re-formed pipelines: the interrupted iteration is lost (the layers it ran on moved)."""
     if layout is None:
-        return stalled(f"{note}; too few nodes for one pipeline")
+        return stalled(f"{note}; too few nodes for one pipeline (or none the step times can run)")
     return Decision(
-        kind, layout.iteration_s, layout.label, pause_s=pause_s, keep_in_flight=False, rollback=rollback, restore_state=True, note=note
+        kind,
+        layout.iteration_s,
+        layout.label,
+        pause_s=pause_s,
+        keep_in_flight=False,
+        rollback=rollback,
+        restore_state=True,
+        note=note,
     )

@@ -1,5 +1,5 @@
 """Checkpoint-restart (torchrun's elastic agent): any change of the job's nodes restarts every
-worker from the last checkpoint -- work since then and the in-flight iteration are lost, and the
+worker from the last checkpoint -- work since then and the interrupted iteration are lost, and the
 restart costs ``restart_s`` -- on the fastest homogeneous grid the alive nodes allow."""
 
 from __future__ import annotations

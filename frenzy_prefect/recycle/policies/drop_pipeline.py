@@ -1,8 +1,10 @@
 """Drop the pipeline: a failed worker's pipeline stops and data parallelism shrinks (the global
-batch is kept, so the surviving pipelines accumulate more micro-batches). When returning nodes
-complete more pipelines than are running, the job pauses ``drop_reform_s`` to re-form them,
-copying states from the survivors (the in-flight iteration is redone). A stage that lost every
-replica forces a restart from the last checkpoint."""
+batch is kept, so the surviving pipelines accumulate more micro-batches). The interrupted
+iteration is redone on the survivors (its global batch was split over the old pipelines, and the
+dead pipeline's gradients never arrive). When returning nodes complete more pipelines than are
+running, the job pauses ``drop_reform_s`` to re-form them, copying states from the survivors
+(the interrupted iteration is redone). A stage that lost every replica forces a restart from the
+last checkpoint."""
 
 from __future__ import annotations
 
@@ -58,5 +60,6 @@ class DropPipeline:
             model.fault_free_s(len(self.running), model.pp),
             grid_label(len(self.running), model.pp),
             pause_s=knobs.detection_s,
+            keep_in_flight=False,
             note=f"dropped pipeline(s) {sorted(hit)}",
         )

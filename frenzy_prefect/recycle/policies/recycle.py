@@ -1,6 +1,13 @@
 """ReCycle: a failed worker's micro-batches go to its stage's live peers in other pipelines
-(iteration time from ``IterationModel.rerouted_s``, the planner's plans once wired); a node that
-takes a slot copies its stage's state from a live peer and then takes its micro-batches back.
+(iteration time from ``IterationModel.rerouted_s``, the planner's plans once wired).
+
+The interrupted iteration, as the live runtime does it: on a death the survivors detect it,
+re-form their process groups in-process and look up the adapted schedule (``detection_s``), then
+REDO the interrupted iteration from its start -- no micro-batch of it is salvaged, and no
+optimizer step of it was taken, as every iteration ends at a commit point before any stage
+steps. A replacement node starts up (``join_delay_s``, as for every policy) while the others keep
+training; at the next iteration boundary the job pauses while a live peer of its stage sends it weights and
+optimizer state (``state_copy_s``), then the fault-free schedule resumes: nothing is lost.
 
 When a stage loses every replica re-routing cannot help: restart from the last checkpoint. After
 the restart every occupied slot loads its stage, so if every stage still has a worker the job
@@ -14,6 +21,18 @@ from __future__ import annotations
 from typing import ClassVar
 
 from frenzy_prefect.recycle.policies.base import Decision, Layout, View, from_layout, grid_label, reform
+
+
+def on_grid(view: View) -> Decision:
+    """Re-route on the original grid after a death (redo the interrupted iteration), or take a
+    started replacement in at an iteration boundary (nothing lost)."""
+    m, knobs = view.membership, view.knobs
+    f = m.failures_per_stage()
+    iteration_s = view.model.rerouted_s(f)
+    grid, note = grid_label(view.model.dp, view.model.pp), f"failures per stage {f}"
+    if view.lost:
+        return Decision("reroute", iteration_s, grid, pause_s=knobs.detection_s, keep_in_flight=False, note=note)
+    return Decision("rejoin", iteration_s, grid, pause_s=knobs.state_copy_s, keep_in_flight=True, at_boundary=True, note=note)
 
 
 class ReCycle:
@@ -51,11 +70,7 @@ class ReCycle:
         lost = m.lost_stages()
         if lost:
             return self._restart(view, f"stage(s) {lost} lost every replica")
-        f = m.failures_per_stage()
-        iteration_s = view.model.rerouted_s(f)
-        if view.lost:
-            return Decision("reroute", iteration_s, grid, pause_s=knobs.detection_s, note=f"failures per stage {f}")
-        return Decision("rejoin", iteration_s, grid, delay_s=knobs.state_copy_s, note=f"failures per stage {f}")
+        return on_grid(view)
 
     def _restart(self, view: View, why: str) -> Decision:
         m = view.membership
