@@ -52,7 +52,7 @@ def trainer_of(rank: int, incarnation: int) -> psutil.Process | None:
     return None
 
 
-def kill_after_first_checkpoint(job: TrainingJob, rank: int, killed: list[int]) -> threading.Thread:
+def kill_after_first_checkpoint(job: TrainingJob, rank: int, killed: list[int], how: signal.Signals = signal.SIGKILL) -> threading.Thread:
     def kill() -> None:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and not (complete_checkpoints(job.checkpoint_uri) and trainer_of(rank, 0)):
@@ -60,7 +60,7 @@ def kill_after_first_checkpoint(job: TrainingJob, rank: int, killed: list[int]) 
         victim = trainer_of(rank, 0)
         if victim is not None:
             killed.append(victim.pid)
-            victim.send_signal(signal.SIGKILL)
+            victim.send_signal(how)
 
     thread = threading.Thread(target=kill)
     thread.start()
@@ -95,6 +95,22 @@ def assert_same_weights(survived: dict[str, torch.Tensor], weights: dict[str, to
     assert survived.keys() == weights.keys()
     for name, tensor in weights.items():
         torch.testing.assert_close(survived[name], tensor, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_a_hung_trainer_is_declared_dead_by_its_heartbeat_killed_and_replaced(dataset, fault_free):
+    # SIGSTOP: the process lives and its connections stay open, so no transfer fails; only its
+    # heartbeat, standing still on the agent's store, tells the others.
+    losses, _ = fault_free
+    job = job_of(dataset, "recycle-hung", max_replacements=1)
+    stopped: list[int] = []
+    killer = kill_after_first_checkpoint(job, 2, stopped, signal.SIGSTOP)
+    code, _ = launch(job)
+    killer.join()
+    assert stopped and code == 0
+    assert not psutil.pid_exists(stopped[0])  # its supervisor killed it
+    metrics = metrics_of(job)
+    assert metrics["losses"] == pytest.approx(losses, rel=1e-5)
+    assert [(f["kind"], f["ranks"]) for f in metrics["failures"]] == [("failed", [2]), ("rejoined", [2])]
 
 
 def test_without_a_replacement_the_survivors_train_to_the_end_and_checkpoint_re_routed(dataset, fault_free):

@@ -7,19 +7,43 @@ leaves no error file of its own; the agent saw it die, and says so here."""
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+import threading
+
 from frenzy_prefect.launch.failure import write_report
+from frenzy_prefect.launch.torchrun import MASTER_PORT_ENV
+from frenzy_prefect.spec.plan import JOB_ENV
+
+
+def _heartbeats_store() -> tuple[str, int] | None:
+    """The first node's agent hosts the job's store; under resilience "recycle" it also watches
+    the ranks' heartbeats there (``training.liveness``): the store's address, or None."""
+    resilience = json.loads(os.environ.get(JOB_ENV, "{}")).get("request", {}).get("resilience")
+    if "--node-rank=0" not in sys.argv or resilience != "recycle":
+        return None
+    host = next(a.removeprefix("--master-addr=") for a in sys.argv if a.startswith("--master-addr="))
+    return host, int(os.environ[MASTER_PORT_ENV])
 
 
 def main() -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
+    stop, store = threading.Event(), _heartbeats_store()
+    if store is not None:
+        from frenzy_prefect.training.liveness import watch_job_heartbeats
+
+        threading.Thread(target=watch_job_heartbeats, args=(*store, stop), name="frenzy-heartbeats", daemon=True).start()
     try:
         torchrun()
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         write_report({"rank": rank, "local_rank": failure.local_rank, "pid": failure.pid, "exitcode": failure.exitcode})
         raise
+    finally:
+        stop.set()
 
 
 if __name__ == "__main__":

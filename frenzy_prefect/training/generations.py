@@ -36,6 +36,7 @@ from frenzy_prefect.training.liveness import Incarnation, Log, append
 RECOVERY_GRACE_S = 60.0  # how long survivors wait for a member that neither reports in nor is dead
 GROUP_TIMEOUT = timedelta(seconds=60)  # no survivor waits longer in a collective with a hung peer
 ABORT = "abort"
+Position = tuple[int, int]  # (step, phase): where a member was in the run (phase 0: the step, 1: its checkpoint)
 
 
 class Interrupted(Exception):
@@ -108,27 +109,37 @@ class Generation:
         """Decide ``step`` aborted, unless it was decided already (this member met a failure)."""
         self.store.compare_set(f"g{self.number}/decision/{step}", "", ABORT)
 
-    def after_failure(self) -> Generation:
-        """Report in and agree on the survivors; returns the next generation, its group formed."""
+    def after_failure(self, position: Position) -> tuple[Generation, Position, int]:
+        """Report in at ``position`` and agree on the survivors; returns the next generation (its
+        group formed), the position to resume at and the member that reached it: the furthest any
+        survivor reached (a collective may have completed on some ranks and not on others, and
+        what completed anywhere, a checkpoint, is complete)."""
         # Leave the broken groups first: their connections close (once nothing holds them: the
         # caller dropped its references, gc collects the cycles), so a member blocked on this rank
         # (not on the dead one) fails at once too, instead of waiting out the group's timeout.
         dist.destroy_process_group()
         gc.collect()
         n, store = self.number, self.store
-        store.set(f"g{n}/here/{store.add(f'g{n}/here/count', 1)}", str(self.rank))
+        store.set(f"g{n}/here/{store.add(f'g{n}/here/count', 1)}", json.dumps([self.rank, *position]))
         deadline, proposal_key = time.monotonic() + RECOVERY_GRACE_S, f"g{n}/next"
         while not store.check([proposal_key]):
-            count = store.add(f"g{n}/here/count", 0)
-            here = {int(v) for v in store.multi_get([f"g{n}/here/{k}" for k in range(1, count + 1)])} if count else set()
-            if set(self.members) <= here | self._dead_members() or time.monotonic() > deadline:
+            here = self._reported(n)
+            if set(self.members) <= here.keys() | self._dead_members() or time.monotonic() > deadline:
                 store.compare_set(proposal_key, "", json.dumps(sorted(here)))
             else:
                 time.sleep(0.005)
         members = json.loads(store.get(proposal_key))
         if self.rank not in members:
             raise Excluded(f"rank {self.rank} reported in after the survivors re-formed without it")
-        return self._next(members, self.incarnations)
+        here = self._reported(n)
+        furthest = max(members, key=lambda m: (here[m], -m))
+        return self._next(members, self.incarnations), here[furthest], furthest
+
+    def _reported(self, n: int) -> dict[int, Position]:
+        """The members that reported in after generation ``n`` failed, and where each was."""
+        count = self.store.add(f"g{n}/here/count", 0)
+        entries = self.store.multi_get([f"g{n}/here/{k}" for k in range(1, count + 1)]) if count else []
+        return {rank: (step, phase) for rank, step, phase in map(json.loads, entries)}
 
     def admitting(self, admitted: list[Incarnation], payload: dict) -> Generation:
         """The next generation with the ``admitted`` replacements; the lowest member tells each of

@@ -5,10 +5,10 @@ so it outlives any trainer).
   counts a heartbeat ``hb/<rank>/<incarnation>`` up every HEARTBEAT_S from a thread.
 - The death log ``dead/<k>`` (``dead/count`` entries of "rank:incarnation") says which
   incarnations are gone. A rank's supervisor appends to it the moment its trainer exits
-  abnormally (``waitpid``); the agent's watcher (``watch_heartbeats``) appends an incarnation
+  abnormally (``waitpid``); the agent's watcher (``watch_job_heartbeats``) appends an incarnation
   whose heartbeat stood still for STALE_S (a hung process, or a node lost with its supervisor);
-  the supervisor of a trainer declared dead kills it (``Supervisor``), so a declared death is a
-  real one and its sockets close.
+  the supervisor of a trainer declared dead kills it (``supervisor.py``), so a declared death
+  is a real one and its sockets close.
 - A finished trainer writes ``hb/<rank>/<incarnation>/done`` so the watcher stops watching it.
 """
 
@@ -18,6 +18,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -92,22 +93,29 @@ class Heartbeat:
         self.connect().set(f"{self.key}/done", "1")
 
 
-def watch_heartbeats(store: dist.Store, stop: threading.Event, stale_s: float = STALE_S) -> None:
-    """Until ``stop``: mark dead every watched incarnation whose heartbeat stood still for
-    ``stale_s`` (the launcher's agent runs this beside the store it hosts)."""
+def watch_job_heartbeats(host: str, port: int, stop: threading.Event, stale_s: float = STALE_S) -> None:
+    """Until ``stop``: mark dead every incarnation whose heartbeat stood still for ``stale_s``, in the
+    store at ``host:port`` (the launcher's agent runs this beside the store it hosts), following
+    torchrun's restarts (each attempt has its own keys)."""
+    base = dist.TCPStore(host, port, is_master=False, timeout=timedelta(minutes=5))
+    attempt = 0
+    while not stop.is_set():
+        following = dist.PrefixStore(f"attempt-{attempt + 1}", base)
+        _watch_attempt(dist.PrefixStore(f"attempt-{attempt}", base), stop, stale_s, lambda s=following: s.check(["hb/count"]))
+        attempt += 1
+
+
+def _watch_attempt(store: dist.Store, stop: threading.Event, stale_s: float, superseded: Callable[[], bool]) -> None:
     beats: dict[Incarnation, tuple[int, float]] = {}  # last count seen and when it changed
     registered = Log(store, "hb")
-    while not stop.wait(HEARTBEAT_S):
+    while not stop.wait(HEARTBEAT_S) and not superseded():
         now = time.monotonic()
         for incarnation in registered.new():
             beats[incarnation] = (-1, now)
-        if not beats:
-            continue
-        keys = [f"hb/{r}/{n}" for r, n in beats]
-        done = [store.check([f"{key}/done"]) for key in keys]
-        for (incarnation, (last, since)), key, finished in zip(list(beats.items()), keys, done, strict=True):
+        for incarnation, (last, since) in list(beats.items()):
+            key = f"hb/{incarnation[0]}/{incarnation[1]}"
             count = store.add(key, 0)
-            if finished:
+            if store.check([f"{key}/done"]):
                 del beats[incarnation]
             elif count != last:
                 beats[incarnation] = (count, now)

@@ -32,17 +32,19 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.pipeline.costs import StageCosts
 from frenzy_prefect.pipeline.schedule import Schedule
 from frenzy_prefect.recycle.cache import PlanCache
 from frenzy_prefect.spec.plan import TrainingJob
 from frenzy_prefect.training.data import step_seed
 from frenzy_prefect.training.engine import Engine, MicroBatch
-from frenzy_prefect.training.generations import Generation, Interrupted
+from frenzy_prefect.training.generations import Generation, Interrupted, Position
 from frenzy_prefect.training.liveness import Log
 from frenzy_prefect.training.peer_state import share_stage_state
 
 T = TypeVar("T")
+STEP, CHECKPOINT = 0, 1  # the phases of a step (Position)
 Notify = Callable[[str, dict], None]  # (event name, details): rank 0 turns them into Prefect events
 
 
@@ -59,6 +61,7 @@ class RecycleSteps:
         notify: Notify,
         log: Callable[[str], None],
         survived: list[dict],
+        agree: Callable[[int], None],
     ) -> None:
         plan = job.allocation.plan
         self.job, self.engine, self.generation, self.notify, self.log = job, engine, generation, notify, log
@@ -68,6 +71,7 @@ class RecycleSteps:
         self.schedule = self._schedule()
         self.admitted: list = []
         self.survived, self.current = survived, 0  # the run's record (SurvivedFailure fields), shared with its progress
+        self.agree = agree  # after a recovery: (collective) take the trainer's progress from the given group rank
 
     @property
     def degraded(self) -> bool:
@@ -88,11 +92,12 @@ class RecycleSteps:
         self.current = step
         if self.admitted:
             self._admit(step, progress())
-        return self.survive(lambda: self._attempt(step, batches), step)
+        return self.survive(lambda: self._attempt(step, batches), (step, STEP))
 
-    def survive(self, action: Callable[[], T], step: int | None = None) -> T:
-        """``action`` (collective on every member), run again by the survivors after a failure
-        interrupts it (``step``: the iteration it belongs to, aborted for everyone)."""
+    def survive(self, action: Callable[[], T], position: Position, skipped: Callable[[], T] | None = None) -> T:
+        """``action`` (collective on every member) at ``position``, run again by the survivors
+        after a failure interrupts it; ``skipped()`` instead when another survivor had completed
+        it (a checkpoint) and gone on."""
         while True:
             try:
                 return action()
@@ -100,10 +105,14 @@ class RecycleSteps:
                 cause: Exception = exc
             except RuntimeError as exc:  # gloo/NCCL: a transfer or collective with a dead rank
                 cause = exc
-                if step is not None:
-                    self.generation.abort(step)
+                if position[1] == STEP:
+                    self.generation.abort(position[0])
             # The traceback's frames hold the interrupted transfers, and they the old groups.
-            self._recover(cause.with_traceback(None))
+            resume = self._recover(position, cause.with_traceback(None))
+            if resume > position:
+                if skipped is None:
+                    raise FrenzyError(f"survivors resume at {resume}, past this rank's {position}, which cannot be skipped")
+                return skipped()
 
     def _attempt(self, step: int, batches: Callable[[int], list[MicroBatch]]) -> float:
         plan, read = self.job.allocation.plan, {}
@@ -123,21 +132,24 @@ class RecycleSteps:
         own = replica(self.engine.replica)
         return self.engine.step(own, schedule=self.schedule, source=lambda p, j: replica(p)[j], commit=commit)
 
-    def _recover(self, cause: Exception) -> None:
+    def _recover(self, position: Position, cause: Exception) -> Position:
+        """Form the next generation without the failed ranks; returns where the survivors resume."""
         began, before = time.perf_counter(), set(self.generation.members)
         self.engine.discard_gradients()
         self.engine.leave_groups()
-        self.generation = self.generation.after_failure()
+        self.generation, resume, furthest = self.generation.after_failure(position)
         failed = sorted(before - set(self.generation.members))
         if not failed:
             raise cause  # nobody died: a real error, not a failure to survive
         self.engine.regroup(self.generation.members)
+        self.agree(self.engine.position[furthest])
         self.schedule = self._schedule()
         downtime = time.perf_counter() - began
         self.record("failed", failed, downtime)
         self.log(f"rank(s) {failed} failed; {len(self.generation.members)} ranks carry on re-routed ({downtime:.3f} s)")
         self.notify("rank-failed", {"ranks": failed, "cause": f"{type(cause).__name__}: {cause}"[:300]})
         self.notify("recovered", {"ranks": failed, "downtime_s": downtime, "members": self.generation.members})
+        return resume
 
     def _admit(self, step: int, progress: dict) -> None:
         began, admitted = time.perf_counter(), self.admitted

@@ -23,13 +23,13 @@ from frenzy_prefect.training import checkpoint
 from frenzy_prefect.training.data import TokenWindows, replica_batches, step_batches, step_seed
 from frenzy_prefect.training.distributed import DistributedContext, together
 from frenzy_prefect.training.engine import Engine
-from frenzy_prefect.training.generations import Generation, await_admission
+from frenzy_prefect.training.generations import Generation, Position, await_admission
 from frenzy_prefect.training.liveness import Heartbeat, incarnation_from_env
-from frenzy_prefect.training.recycle_live import Notify, RecycleSteps, share_from_live_replica
+from frenzy_prefect.training.recycle_live import CHECKPOINT, Notify, RecycleSteps, share_from_live_replica
 
 T = TypeVar("T")
 StepRunner = Callable[[int, TokenWindows, "Progress"], float]  # (step, data, progress so far) -> the step's mean loss
-Survive = Callable[[Callable[[], T]], T]
+Survive = Callable[[Callable[[], T], Position, Callable[[], T]], T]  # RecycleSteps.survive, or just run it
 
 CHECKPOINT_SHARE = 0.05  # of training time that periodic checkpoints may take, by default
 
@@ -59,6 +59,13 @@ class Progress:
     last_saved: int  # the last checkpoint's step, or the step before this attempt's first
     final: str | None = None  # the last checkpoint's URI
     survived: list[dict] = field(default_factory=list)  # failures and rejoins trained through (SurvivedFailure's fields)
+
+    def agree(self, source: int) -> None:
+        """Take the checkpoint schedule of group rank ``source`` (collective; after a failure
+        interrupted a checkpoint that some survivors had completed, and re-agreed its interval)."""
+        fields = [self.every, self.last_saved, self.final]
+        dist.broadcast_object_list(fields, src=source)
+        self.every, self.last_saved, self.final = fields
 
     @classmethod
     def start(cls, job: TrainingJob, resumed: checkpoint.Manifest | None) -> Progress:
@@ -126,7 +133,7 @@ def _train_through_failures(
             engine = _engine(job, ctx, live=generation.members)
             share_from_live_replica(engine, [m for m in generation.members if m not in note["admitted"]], {ctx.rank})
             progress = Progress(**note["progress"])  # (its record ends before this rejoin: added below)
-        steps = RecycleSteps(job, engine, generation, notify, log, progress.survived)
+        steps = RecycleSteps(job, engine, generation, notify, log, progress.survived, progress.agree)
         steps.current = progress.next_step
         if incarnation > 0:
             steps.record("rejoined", note["admitted"], time.perf_counter() - joined)
@@ -176,7 +183,7 @@ def _train_from(
     run_step: StepRunner,
     log: Callable[[str], None],
     started: float,
-    survive: Survive = lambda action: action(),
+    survive: Survive = lambda action, position, skipped: action(),
 ) -> TrainingResult:
     """The steps of ``job`` from ``progress`` on ``data``, then the result, which the process
     group's rank 0 writes to metrics.json."""
@@ -251,7 +258,11 @@ def _run_steps(
             rate = len(timings["step"]) * tokens_per_step / sum(timings["step"])  # training only, not checkpoints
             log(f"step {step}/{request.steps} loss {progress.losses[-1]:.4f} ({rate:,.0f} tokens/s over {dist.get_world_size()} ranks)")
         if step - progress.last_saved >= progress.every or step == request.steps:
-            final, save_s, interval = survive(lambda: _checkpoint(job, ctx, engine, step, progress.losses, timings))  # noqa: B023 (called at once)
+            final, save_s, interval = survive(
+                lambda: _checkpoint(job, ctx, engine, step, progress.losses, timings),  # noqa: B023 (called at once)
+                (step, CHECKPOINT),
+                lambda: (checkpoint.step_uri(job.checkpoint_uri, step), 0.0, None),  # noqa: B023 (written before a failure)
+            )
             log(f"checkpoint of step {step} written to {final} in {save_s:.2f} s")
             if interval is not None and interval != progress.every:
                 log(f"checkpointing every {interval} steps (a checkpoint takes {save_s:.2f} s)")
