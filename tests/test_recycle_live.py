@@ -20,7 +20,7 @@ from frenzy_prefect.storage import open_uri
 from frenzy_prefect.training.checkpoint import complete_checkpoints
 from frenzy_prefect.training.liveness import INCARNATION_ENV
 
-from .conftest import BUCKET
+from .conftest import BUCKET, ROOT
 from .test_resume import _whole_weights
 from .test_training import NANO, launch, make_job
 
@@ -136,3 +136,47 @@ def test_a_stage_that_loses_every_replica_restarts_from_the_last_checkpoint(data
         killer.join()
     assert len(killed) == 2 and code == 0
     assert metrics_of(job)["losses"] == pytest.approx(losses, rel=1e-5)
+
+
+def test_through_the_pool_a_train_llm_run_stays_running_through_a_killed_rank_and_reports_it(stack, worker_pool, dataset):
+    """The product path: `train-llm` with resilience "recycle" on the four-GPU example cluster,
+    dispatched by the `frenzy` worker; rank 3's trainer is killed after a checkpoint. The training
+    flow run never leaves Running, emits frenzy.training.rank-failed/recovered/rejoined, and the
+    train-llm run completes with a "failures-survived" artifact."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, LogFilter, LogFilterFlowRunId
+    from prefect.deployments import run_deployment
+
+    from frenzy_prefect.launch.local import host_and_pids
+
+    from .test_e2e import GOOD, children, wait_final
+    from .test_worker import rank_pid
+
+    stack.run_cli("frenzy_prefect.cli", "cluster", "save", str(ROOT / "blocks" / "local-recycle.yaml"))
+    request = GOOD | {"dataset": dataset, "steps": 40, "checkpoint_every": 5, "log_every": 1, "resilience": "recycle"}
+    with stack.client_settings(), get_client(sync_client=True) as client:
+        run_id = run_deployment("train-llm/frenzy", parameters={"request": request, "cluster": "local-recycle"}, timeout=0).id
+        deadline = time.monotonic() + 300
+        while not (trainings := children(stack, client.read_flow_run(run_id))) or not any(
+            log.message.startswith("checkpoint of step")
+            for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[trainings[0].id])))
+        ):
+            assert time.monotonic() < deadline, "the training run wrote no checkpoint"
+            time.sleep(0.5)
+        training = trainings[0].id
+        _, (agent,) = host_and_pids(client.read_flow_run(training).infrastructure_pid)
+        supervisor = psutil.Process(rank_pid(agent, 3))
+        (trainer,) = [p for p in supervisor.children(recursive=True) if p.environ().get(INCARNATION_ENV) == "0"]
+        trainer.send_signal(signal.SIGKILL)
+        run = wait_final(run_id)
+        states = [s.type.value for s in client.read_flow_run_states(training)]
+        events = client._client.post(
+            "/events/filter",
+            json={"filter": {"event": {"prefix": ["frenzy.training."]}, "any_resource": {"id": [f"prefect.flow-run.{training}"]}}},
+        ).json()["events"]
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["failures-survived"])))
+    assert run.state.is_completed(), run.state
+    assert states[-1] == "COMPLETED" and not {"FAILED", "CRASHED"} & set(states), states
+    assert {e["event"] for e in events} == {"frenzy.training.rank-failed", "frenzy.training.recovered", "frenzy.training.rejoined"}
+    assert all(e["payload"]["ranks"] == [3] for e in events), events
+    assert any(a.flow_run_id == run_id and "rank(s) 3 failed" in str(a.data) for a in artifacts), artifacts
