@@ -92,6 +92,16 @@ def test_plan_json_chooses_a_placement_on_the_example_cluster():
     assert first["spare_bytes"] == first["gpu_memory_bytes"] - first["margin_bytes"] - first["peak_bytes"]
 
 
+def test_plan_for_recycle_offers_only_the_pipelines_it_can_keep_running_or_says_what_is_missing():
+    common = ["plan", "gpt-nano", "--global-batch", "16", "--seq-len", "64", "--precision", "fp32", "--resilience", "recycle"]
+    out = frenzy(*common, "--cluster", str(ROOT / "blocks" / "local-recycle.yaml"), "--json")
+    assert out.returncode == 0, out.stderr
+    plans = [p["plan"] for p in json.loads(out.stdout)["plans"]]
+    assert plans and all(p["dp"] >= 2 and p["pp"] >= 2 and p["tp"] == 1 and p["zero"] == 0 for p in plans)
+    out = frenzy(*common, "--cluster", str(EXAMPLE_CLUSTER))  # two GPUs of each type
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "at least 4 GPUs of one type" in out.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

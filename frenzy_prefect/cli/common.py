@@ -91,6 +91,7 @@ def training_request(
     attention: str = "flash",
     master_weights: bool = False,
     pin: dict | None = None,
+    resilience: str = "restart",
 ) -> TrainingRequest:
     """The workload a command describes, validated as a training request (it names no dataset),
     so that bad values get the same one-line errors as in a flow."""
@@ -105,6 +106,7 @@ def training_request(
         master_weights=master_weights,
         optimizer={"name": optimizer},
         plan=pin,
+        resilience=resilience,
     )
 
 

@@ -23,6 +23,9 @@ def plan(
     master_weights: bool = MASTER_WEIGHTS,
     tp: int | None = typer.Option(None, "--tp", help="Pin the tensor-parallel degree (default: the allocator chooses)."),
     pp: int | None = typer.Option(None, "--pp", help="Pin the pipeline depth (default: the allocator chooses)."),
+    resilience: str = typer.Option(
+        "restart", "--resilience", help="restart or recycle (ReCycle: only the pipeline plans it can keep running through a failure)."
+    ),
     top: int = typer.Option(10, "--top", min=1, help="How many ranked plans to show."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
@@ -33,7 +36,7 @@ def plan(
 
     spec = resolve_model(model, seq_len=seq_len)
     pin = {"tp": tp, "pp": pp} if tp is not None or pp is not None else None
-    request = training_request(model, global_batch, seq_len, precision, optimizer, attention, master_weights, pin)
+    request = training_request(model, global_batch, seq_len, precision, optimizer, attention, master_weights, pin, resilience)
     state = ClusterState.idle(ClusterSpec.from_file(cluster))
     candidates = allocator.candidate_plans(spec, request, state.cluster)
     chosen = allocator.allocate(candidates, state)
