@@ -49,9 +49,10 @@ Notify = Callable[[str, dict], None]  # (event name, details): rank 0 turns them
 
 
 class RecycleSteps:
-    """This rank's steps under ReCycle. ``step(n, batches)`` runs step n to its optimizer update,
-    through any failure, and returns the mean loss; ``batches(replica)`` gives a replica's
-    micro-batches of that step (the rank reads other replicas' when it runs their work)."""
+    """This rank's steps under ReCycle. ``step(n, batches, progress)`` runs step n to its optimizer
+    update, through any failure, and returns the mean loss; ``batches(replica)`` gives a replica's
+    micro-batches of that step (the rank reads other replicas' when it runs their work). The
+    planner's schedules come from uniform stage costs: they decide only the order of the work."""
 
     def __init__(
         self,
@@ -72,10 +73,6 @@ class RecycleSteps:
         self.admitted: list = []
         self.survived, self.current = survived, 0  # the run's record (SurvivedFailure fields), shared with its progress
         self.agree = agree  # after a recovery: (collective) take the trainer's progress from the given group rank
-
-    @property
-    def degraded(self) -> bool:
-        return len(self.generation.members) < self.job.allocation.plan.gpus
 
     def _failed_workers(self) -> set[tuple[int, int]]:
         plan = self.job.allocation.plan
@@ -166,6 +163,7 @@ class RecycleSteps:
         self.notify("rejoined", {"step": step, "ranks": ranks, "downtime_s": downtime, "members": self.generation.members})
 
     def record(self, kind: str, ranks: list[int], downtime_s: float) -> None:
+        """Add a failure survived or a rejoin, at the current step, to the run's record."""
         at = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
         self.survived.append({"at": at, "step": self.current, "kind": kind, "ranks": ranks, "downtime_s": round(downtime_s, 4)})
 
