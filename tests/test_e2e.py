@@ -353,14 +353,8 @@ def test_retrying_a_failed_train_llm_run_resumes_from_its_own_last_checkpoint(st
         from prefect.deployments import run_deployment
 
         run_id = run_deployment("train-llm/frenzy", parameters={"request": request, "cluster": "local-hetero"}, timeout=0).id
-        deadline = time.monotonic() + 300
-        while not (trainings := children(stack, client.read_flow_run(run_id))) or not any(
-            log.message.startswith("checkpoint of step")
-            for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[trainings[0].id])))
-        ):
-            assert time.monotonic() < deadline, "the training run wrote no checkpoint"
-            time.sleep(0.5)
-        _, (agent,) = host_and_pids(client.read_flow_run(trainings[0].id).infrastructure_pid)
+        training = training_after_a_checkpoint(stack, client, run_id)
+        _, (agent,) = host_and_pids(client.read_flow_run(training).infrastructure_pid)
         os.kill(rank_pid(agent, 0), signal.SIGKILL)
         assert not wait_final(run_id).state.is_completed()
 
@@ -371,6 +365,18 @@ def test_retrying_a_failed_train_llm_run_resumes_from_its_own_last_checkpoint(st
     assert run.state.is_completed(), run.state
     resumed = [m for m in messages if m.startswith("resumed from ")]
     assert resumed and f"/checkpoints/{run_id}/step-" in resumed[0], messages[:10]
+
+
+def training_after_a_checkpoint(stack: LocalStack, client, run_id: UUID) -> UUID:
+    """The training flow run of train-llm run ``run_id``, once it has written a checkpoint."""
+    deadline = time.monotonic() + 300
+    while not (trainings := children(stack, client.read_flow_run(run_id))) or not any(
+        log.message.startswith("checkpoint of step")
+        for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[trainings[0].id])))
+    ):
+        assert time.monotonic() < deadline, "the training run wrote no checkpoint"
+        time.sleep(0.5)
+    return trainings[0].id
 
 
 @dataclass

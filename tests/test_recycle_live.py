@@ -144,26 +144,19 @@ def test_through_the_pool_a_train_llm_run_stays_running_through_a_killed_rank_an
     flow run never leaves Running, emits frenzy.training.rank-failed/recovered/rejoined, and the
     train-llm run completes with a "failures-survived" artifact."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
     from prefect.deployments import run_deployment
 
     from frenzy_prefect.launch.local import host_and_pids
 
-    from .test_e2e import GOOD, children, wait_final
+    from .test_e2e import GOOD, training_after_a_checkpoint, wait_final
     from .test_worker import rank_pid
 
     stack.run_cli("frenzy_prefect.cli", "cluster", "save", str(ROOT / "blocks" / "local-recycle.yaml"))
     request = GOOD | {"dataset": dataset, "steps": 40, "checkpoint_every": 5, "log_every": 1, "resilience": "recycle"}
     with stack.client_settings(), get_client(sync_client=True) as client:
         run_id = run_deployment("train-llm/frenzy", parameters={"request": request, "cluster": "local-recycle"}, timeout=0).id
-        deadline = time.monotonic() + 300
-        while not (trainings := children(stack, client.read_flow_run(run_id))) or not any(
-            log.message.startswith("checkpoint of step")
-            for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[trainings[0].id])))
-        ):
-            assert time.monotonic() < deadline, "the training run wrote no checkpoint"
-            time.sleep(0.5)
-        training = trainings[0].id
+        training = training_after_a_checkpoint(stack, client, run_id)
         _, (agent,) = host_and_pids(client.read_flow_run(training).infrastructure_pid)
         supervisor = psutil.Process(rank_pid(agent, 3))
         (trainer,) = [p for p in supervisor.children(recursive=True) if p.environ().get(INCARNATION_ENV) == "0"]

@@ -22,25 +22,11 @@ def test_json_from_a_step_time_table(trace, tmp_path):
     table = tmp_path / "steps.json"
     table.write_text('{"4": 2.0, "2": 3.5}')
     args = [
-        "recycle",
-        "simulate",
-        "--trace",
+        *"recycle simulate --trace".split(),
         str(trace),
-        "--dp",
-        "2",
-        "--pp",
-        "2",
-        "--microbatches",
-        "8",
-        "--step-time-table",
+        *"--dp 2 --pp 2 --microbatches 8 --step-time-table".split(),
         str(table),
-        "--samples-per-step",
-        "64",
-        "--policy",
-        "recycle",
-        "--horizon-s",
-        "7200",
-        "--json",
+        *"--samples-per-step 64 --policy recycle --horizon-s 7200 --json".split(),
     ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
@@ -54,24 +40,11 @@ def test_the_table_uses_the_throughput_model_by_default_and_a_mapping(trace, tmp
     mapping = tmp_path / "map.csv"
     mapping.write_text("node1,0,0\nnode2,1,0\nnode3,0,1\nnode4,1,1\n")  # node2 holds stage 0 of pipeline 1
     args = [
-        "recycle",
-        "simulate",
-        "--trace",
+        *"recycle simulate --trace".split(),
         str(trace),
-        "--dp",
-        "2",
-        "--pp",
-        "2",
-        "--microbatches",
-        "4",
-        "--mapping",
+        *"--dp 2 --pp 2 --microbatches 4 --mapping".split(),
         str(mapping),
-        "--policy",
-        "drop_pipeline",
-        "--knob",
-        "drop_reform_s=5",
-        "--horizon-s",
-        "7200",
+        *"--policy drop_pipeline --knob drop_reform_s=5 --horizon-s 7200".split(),
     ]
     result = runner.invoke(app, args, env={"COLUMNS": "150"})
     assert result.exit_code == 0, result.output

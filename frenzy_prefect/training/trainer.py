@@ -8,6 +8,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import asdict, dataclass, field
 from typing import TypeVar
 
@@ -101,8 +102,10 @@ def train(job: TrainingJob, ctx: DistributedContext, log: Callable[[str], None] 
                 dist.all_reduce(step_loss)
             return step_loss.item() / loss_ranks
 
-        data = together(ctx, lambda: TokenWindows(job.dataset, request.seq_len))
-        return _train_from(job, ctx, engine, data, progress, run_step, log, started)
+        first = progress.next_step
+        with closing(together(ctx, lambda: TokenWindows(job.dataset, request.seq_len))) as data:
+            timings = _run_steps(job, ctx, engine, data, progress, run_step, log)
+        return _result(job, ctx, progress, first, timings, started)
     finally:
         dist.destroy_process_group()
 
@@ -146,7 +149,10 @@ def _train_through_failures(
 
             return steps.step(step, batches, lambda: asdict(progress))
 
-        result = _train_from(job, ctx, engine, data, progress, run_step, log, started, steps.survive)
+        first = progress.next_step
+        with closing(data):
+            timings = _run_steps(job, ctx, engine, data, progress, run_step, log, steps.survive)
+        result = _result(job, ctx, progress, first, timings, started)
         if ctx.rank == steps.generation.members[0]:
             store.set("finished", result.model_dump_json())  # replacements still waiting return it
         return result
@@ -174,22 +180,10 @@ def _engine(job: TrainingJob, ctx: DistributedContext, live: list[int] | None = 
     )
 
 
-def _train_from(
-    job: TrainingJob,
-    ctx: DistributedContext,
-    engine: Engine,
-    data: TokenWindows,
-    progress: Progress,
-    run_step: StepRunner,
-    log: Callable[[str], None],
-    started: float,
-    survive: Survive = lambda action, position, skipped: action(),
-) -> TrainingResult:
-    """The steps of ``job`` from ``progress`` on ``data``, then the result, which the process
-    group's rank 0 writes to metrics.json."""
-    request, first = job.request, progress.next_step
-    timings = _run_steps(job, ctx, engine, data, progress, run_step, log, survive)
-    data.close()
+def _result(job: TrainingJob, ctx: DistributedContext, progress: Progress, first: int, timings: dict, started: float) -> TrainingResult:
+    """The run's result after its steps from ``first`` on (``timings``: this rank's), which the
+    process group's rank 0 writes to metrics.json."""
+    request = job.request
     elapsed = time.perf_counter() - started
     result = TrainingResult(
         steps=request.steps,
@@ -240,7 +234,7 @@ def _run_steps(
     progress: Progress,
     run_step: StepRunner,
     log: Callable[[str], None],
-    survive: Survive,
+    survive: Survive = lambda action, position, skipped: action(),
 ) -> dict[str, list[float]]:
     """The steps from ``progress`` on, with periodic checkpoints, each step's loss (averaged over
     the ranks) and checkpoint kept in ``progress``; returns this rank's wall times of each step
