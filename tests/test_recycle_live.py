@@ -1,7 +1,8 @@
 """ReCycle on live ranks (issue 16): a dp=2 x pp=2 job on real gloo ranks keeps training through a
-SIGKILLed trainer without a restart, re-routing the dead worker's micro-batches to its stage's
-live peer, and (when allowed) through its replacement's rejoin; the weights it ends with equal
-a fault-free run's on the same data (summation order aside)."""
+SIGKILLed (or hung) trainer without a restart, re-routing the dead worker's micro-batches to its
+stage's live peer, and (when allowed) through its replacement's rejoin; the weights it ends with
+equal a fault-free run's on the same data (summation order aside). A stage that loses both its
+replicas restarts from its checkpoint; through the `frenzy` pool the run stays Running."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.recycle_live
 
 GRID = [Placement(node="n0", host="127.0.0.1", gpus=[0, 1, 2, 3])]
 PLAN = ParallelPlan(dp=2, pp=2, micro_batch=2)  # global batch 16: 4 micro-batches per pipeline
-RUN = {"steps": 30, "checkpoint_every": 4, "keep_checkpoints": 1, "resilience": "recycle", "log_every": 1}
+RUN = {"steps": 40, "checkpoint_every": 4, "keep_checkpoints": 1, "resilience": "recycle", "log_every": 1}
 
 
 def job_of(dataset: str, name: str, **request) -> TrainingJob:
@@ -84,6 +85,7 @@ def test_a_killed_rank_is_survived_without_a_restart_and_rejoins_with_the_fault_
     killer.join()
     assert killed and code == 0
     metrics = metrics_of(job)
+    assert [(f["kind"], f["ranks"]) for f in metrics["failures"]] == [("failed", [3]), ("rejoined", [3])]
     assert metrics["losses"] == pytest.approx(losses, rel=1e-5)
     assert_same_weights(_whole_weights(metrics["checkpoint"]), weights)
 
