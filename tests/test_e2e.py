@@ -115,6 +115,24 @@ def test_a_request_is_trained_on_the_chosen_gpus_through_the_worker(stack, runs,
     assert progress[0].startswith("step 1/30 loss") and progress[-1].startswith("step 30/30 loss")
 
 
+@pytest.mark.pipelines
+def test_the_training_run_reports_progress_the_live_loss_and_its_events_while_it_trains(stack, runs):
+    (training,) = children(stack, runs["good"])
+    with stack.client_settings(), get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[training.id])))
+        about = {"event": {"prefix": ["frenzy.training."]}, "any_resource": {"id": [f"prefect.flow-run.{training.id}"]}}
+        events = client._client.post("/events/filter", json={"filter": about}).json()["events"]
+    latest = {a.key: a for a in sorted(artifacts, key=lambda a: a.created)}  # the table is re-published as it grows
+    progress, table = latest["training-progress"], latest["live-loss"]
+    assert progress.type == "progress" and float(progress.data) == 100.0
+    rows = json.loads(table.data) if isinstance(table.data, str) else table.data
+    assert rows[-1]["step"] == "30" and float(rows[0]["loss"]) > float(rows[-1]["loss"])
+    names = [e["event"] for e in sorted(events, key=lambda e: e["occurred"])]
+    assert names[0] == "frenzy.training.started" and names[-1] == "frenzy.training.completed", names
+    assert "frenzy.training.checkpointed" in names
+    assert all(e["resource"]["frenzy.run"] == str(runs["good"].id) for e in events)
+
+
 def test_a_job_no_gpu_can_hold_fails_in_allocate_before_any_process_starts(stack, runs):
     run = runs["too-big"]
     assert run.state.is_failed()
