@@ -7,6 +7,7 @@ from prefect.context import FlowRunContext
 from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
 
+from frenzy_prefect.blocks import cluster_block_name
 from frenzy_prefect.cancellation import sigterm_cancels_when_cancelling
 from frenzy_prefect.events import training_events
 from frenzy_prefect.restarts import failures_restart_while_torchrun_can
@@ -18,7 +19,7 @@ from frenzy_prefect.training.distributed import DistributedContext
 from frenzy_prefect.training.supervisor import supervise
 from frenzy_prefect.training.trainer import train as train_ranks
 
-TRAINING_DEPLOYMENT = "distributed-train/frenzy"
+TRAINING_DEPLOYMENT = "distributed-train/frenzy"  # deployments named otherwise pass their own (deployments.py)
 
 
 def default_output(dataset: str, run_name: str) -> str:
@@ -30,11 +31,13 @@ def default_output(dataset: str, run_name: str) -> str:
 @flow(name="train-llm")
 def train_llm(
     request: TrainingRequest,
-    cluster: str = "local-hetero",
+    cluster: str | None = None,
     training_deployment: str = TRAINING_DEPLOYMENT,
 ) -> TrainingReport:
     """Train ``request.model`` on ``request.dataset``: profile, estimate memory, allocate GPUs,
-    train on them, report. ``cluster`` names a FrenzyCluster block."""
+    train on them, report. ``cluster`` names a FrenzyCluster block; default: the `cluster`
+    variable of the frenzy work pool the run is on."""
+    cluster = cluster_block_name(cluster)  # before any work: a run that names no cluster fails at once
     model = profile_model(request)
     dataset = profile_dataset(request, model)
     state = profile_cluster(cluster)

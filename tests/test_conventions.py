@@ -1,0 +1,136 @@
+"""Prefect's conventions, on real parts (the session's Prefect server and S3 endpoint, real CLI
+and worker processes): block registration by module, the pool's default cluster block, deployment
+names from the environment, S3 credentials from a prefect-aws block that never show."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterFlowRunId
+
+from frenzy_prefect.blocks import CLUSTER_ENV, cluster_block_name
+from frenzy_prefect.errors import FrenzyError
+from frenzy_prefect.flows import default_output
+from frenzy_prefect.spec.result import TrainingReport
+from frenzy_prefect.storage import open_uri
+
+from .conftest import BUCKET, POOL_CLUSTER, ROOT, create_pool, deploy_all
+from .test_e2e import GOOD, children, wait_final
+
+TINY = GOOD | {"steps": 2}
+
+
+def test_importing_the_package_imports_neither_prefect_nor_torch_until_a_block_is_asked_for():
+    probe = (
+        "import sys, frenzy_prefect as f\n"
+        "before = sorted(m for m in ('prefect', 'torch') if m in sys.modules)\n"
+        "cls = f.FrenzyCluster\n"
+        "print(before, cls.__module__, 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["[]", "frenzy_prefect.blocks", "False"]
+
+
+def test_a_run_names_its_cluster_or_the_pool_does(monkeypatch):
+    monkeypatch.delenv(CLUSTER_ENV, raising=False)
+    with pytest.raises(FrenzyError, match="pass train-llm's `cluster` parameter .* or set the `cluster` variable"):
+        cluster_block_name(None)
+    monkeypatch.setenv(CLUSTER_ENV, "pool-default")
+    assert cluster_block_name(None) == "pool-default" and cluster_block_name("mine") == "mine"
+
+
+@pytest.mark.pipelines
+def test_prefect_block_register_finds_the_frenzy_cluster_block_type(stack, prefect_api):
+    out = stack.run_cli("prefect", "block", "register", "-m", "frenzy_prefect")
+    assert "Frenzy Cluster" in out
+    assert "frenzy-cluster" in stack.run_cli("prefect", "block", "type", "ls")
+
+
+@pytest.mark.pipelines
+def test_deployment_names_come_from_the_environment(stack, worker_pool):
+    deploy_all(stack, pool=worker_pool, name="nightly")
+    with stack.client_settings(), get_client(sync_client=True) as client:
+        train = client.read_deployment_by_name("train-llm/nightly")
+        ranks = client.read_deployment_by_name("distributed-train/nightly")
+    assert train.work_pool_name == ranks.work_pool_name == worker_pool
+    assert train.parameters == {"training_deployment": "distributed-train/nightly"}
+
+
+@pytest.mark.pipelines
+def test_a_run_without_a_cluster_parameter_allocates_on_the_pools_cluster(stack, worker_pool, dataset):
+    """The test pool was created with `cluster` defaulting to the example cluster's block."""
+    with stack.client_settings():
+        from prefect.deployments import run_deployment
+
+        run = wait_final(run_deployment("train-llm/frenzy", parameters={"request": TINY | {"dataset": dataset}}, timeout=0).id)
+    assert run.state.is_completed(), run.state.message
+    with open_uri(f"{default_output(dataset, run.name)}/report.json", "r") as f:
+        report = TrainingReport.model_validate_json(f.read())
+    assert report.allocation.gpu_type == "A10" and [p.node for p in report.allocation.placements] == ["a10-node"]
+    assert POOL_CLUSTER == "local-hetero"  # the cluster whose only A10 node is a10-node
+
+
+SECRET = "frenzy-test-secret-7c1d9e"  # moto accepts any keys: what matters is where this string shows
+
+
+@pytest.fixture(scope="module")
+def aws_pool(stack, worker_pool, dataset) -> str:
+    """A second pool whose runs take their S3 keys and endpoint from an AwsCredentials block; its
+    worker's own endpoint goes nowhere, so a run that reaches S3 did so through the block."""
+    pytest.importorskip("prefect_aws")
+    from prefect_aws import AwsCredentials
+    from prefect_aws.client_parameters import AwsClientParameters
+
+    with stack.client_settings():
+        AwsCredentials(
+            aws_access_key_id="frenzy-test-key",
+            aws_secret_access_key=SECRET,
+            region_name="us-east-1",
+            aws_client_parameters=AwsClientParameters(endpoint_url=stack.env["AWS_ENDPOINT_URL"]),
+        ).save("moto", overwrite=True)
+    pool = "frenzy-aws"
+    create_pool(stack, pool, POOL_CLUSTER, storage_credentials="aws-credentials/moto")
+    endpoint, key = stack.env["AWS_ENDPOINT_URL"], stack.env.get("AWS_SECRET_ACCESS_KEY")
+    stack.env.update(AWS_ENDPOINT_URL="http://127.0.0.1:9", AWS_SECRET_ACCESS_KEY="not-the-block-secret")  # nothing listens on 9
+    try:
+        stack.start_worker(pool, name="frenzy-aws-worker")
+    finally:
+        stack.env.update(AWS_ENDPOINT_URL=endpoint, AWS_SECRET_ACCESS_KEY=key or "")
+    deploy_all(stack, pool=pool, name="aws")
+    deploy_all(stack)  # FRENZY_* back to the session pool's names
+    return pool
+
+
+def _everything_shown(stack, run) -> str:
+    """A run's and its children's state messages, parameters, logs and artifacts, as text."""
+    runs = [run, *children(stack, run)]
+    ids = [r.id for r in runs]
+    with stack.client_settings(), get_client(sync_client=True) as client:
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=ids)))
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=ids)))
+        runs = [client.read_flow_run(i) for i in ids]
+    parts = [f"{r.state.message} {r.parameters} {r.job_variables}" for r in runs]
+    return "\n".join(parts + [log.message for log in logs] + [str(a.data) for a in artifacts])
+
+
+@pytest.mark.pipelines
+def test_s3_credentials_from_an_aws_credentials_block_reach_every_process_and_never_show(stack, aws_pool, dataset):
+    with stack.client_settings():
+        from prefect.deployments import run_deployment
+
+        ok = run_deployment("train-llm/aws", parameters={"request": TINY | {"dataset": dataset}}, timeout=0).id
+        absent = f"s3://{BUCKET}/data/absent.txt"
+        missing = run_deployment("train-llm/aws", parameters={"request": TINY | {"dataset": absent}}, timeout=0).id
+        ok, missing = wait_final(ok), wait_final(missing)
+    assert ok.state.is_completed(), ok.state.message
+    (training,) = children(stack, ok)
+    assert training.state.is_completed() and training.work_pool_name == aws_pool  # the ranks read and wrote S3 too
+    assert missing.state.is_failed() and f"{absent} does not exist" in missing.state.message
+    for run in (ok, missing):
+        shown = _everything_shown(stack, run)
+        assert "step 2/2" in shown or "does not exist" in shown  # the logs were read
+        assert SECRET not in shown
