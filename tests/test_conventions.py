@@ -4,12 +4,20 @@ names from the environment, S3 credentials from a prefect-aws block that never s
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterFlowRunId
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    FlowFilter,
+    FlowFilterName,
+    LogFilter,
+    LogFilterFlowRunId,
+)
 
 from frenzy_prefect.blocks import CLUSTER_ENV, cluster_block_name
 from frenzy_prefect.errors import FrenzyError
@@ -134,3 +142,20 @@ def test_s3_credentials_from_an_aws_credentials_block_reach_every_process_and_ne
         shown = _everything_shown(stack, run)
         assert "step 2/2" in shown or "does not exist" in shown  # the logs were read
         assert SECRET not in shown
+
+
+@pytest.mark.pipelines
+def test_the_example_pipeline_calls_train_llm_as_a_subflow(stack, worker_pool, dataset):
+    """examples/pipeline.py as a user runs it: its flow in its own process, train-llm inside it,
+    the ranks through the pool."""
+    argv = [sys.executable, str(ROOT / "examples" / "pipeline.py"), dataset, "--cluster", POOL_CLUSTER, "--steps", "2", "--max-loss", "100"]
+    out = subprocess.run(argv, env=stack.env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    gate = json.loads(out.stdout.strip().splitlines()[-1])
+    assert gate["accepted"] and gate["gpus"] == "2 x A10"
+    with stack.client_settings(), get_client(sync_client=True) as client:
+        (pipeline,) = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["nightly-training"])))
+    (train,) = children(stack, pipeline)
+    (ranks,) = children(stack, train)
+    assert pipeline.state.is_completed() and train.state.is_completed()
+    assert (str(ranks.id), ranks.work_pool_name) == (gate["training_flow_run"], worker_pool)
