@@ -4,6 +4,7 @@ names from the environment, S3 credentials from a prefect-aws block that never s
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -24,11 +25,14 @@ from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.flows import default_output
 from frenzy_prefect.spec.result import TrainingReport
 from frenzy_prefect.storage import open_uri
+from frenzy_prefect.storage_credentials import _env_of, credentials_env
+from frenzy_prefect.worker import FrenzyJobConfiguration, FrenzyWorker
 
 from .conftest import BUCKET, POOL_CLUSTER, ROOT, create_pool, deploy_all
 from .test_e2e import GOOD, children, wait_final
 
 TINY = GOOD | {"steps": 2}
+SECRET = "frenzy-test-secret-7c1d9e"  # moto accepts any keys: what matters is where this string shows
 
 
 def test_importing_the_package_imports_neither_prefect_nor_torch_until_a_block_is_asked_for():
@@ -49,6 +53,39 @@ def test_a_run_names_its_cluster_or_the_pool_does(monkeypatch):
         cluster_block_name(None)
     monkeypatch.setenv(CLUSTER_ENV, "pool-default")
     assert cluster_block_name(None) == "pool-default" and cluster_block_name("mine") == "mine"
+
+
+def test_the_worker_gives_a_runs_processes_the_pools_cluster_and_the_blocks_keys_in_place_of_its_own(monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "the-workers")
+    monkeypatch.setenv("AWS_SESSION_TOKEN", "the-workers-token")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://workers-endpoint")
+    config = FrenzyJobConfiguration(command="python -m prefect.engine", cluster="pool-cluster")
+    credentials = {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": SECRET}
+    (launch,) = FrenzyWorker(work_pool_name="p").launches_for(config, None, credentials)
+    assert launch.env[CLUSTER_ENV] == "pool-cluster" and launch.env["AWS_SECRET_ACCESS_KEY"] == SECRET
+    assert "AWS_SESSION_TOKEN" not in launch.env and launch.env["AWS_ENDPOINT_URL"] == "http://workers-endpoint"
+
+
+def test_each_kind_of_prefect_aws_block_stands_for_the_aws_environment():
+    pytest.importorskip("prefect_aws")
+    from prefect_aws import AwsCredentials, MinIOCredentials, S3Bucket
+    from prefect_aws.client_parameters import AwsClientParameters
+
+    aws = AwsCredentials(aws_access_key_id="k", aws_secret_access_key=SECRET, aws_session_token="t", region_name="eu-west-1")
+    keys = {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": SECRET}
+    assert _env_of(aws) == keys | {"AWS_SESSION_TOKEN": "t", "AWS_DEFAULT_REGION": "eu-west-1"}
+    minio = MinIOCredentials(
+        minio_root_user="u", minio_root_password=SECRET, aws_client_parameters=AwsClientParameters(endpoint_url="http://minio:9000")
+    )
+    assert _env_of(minio) == {"AWS_ACCESS_KEY_ID": "u", "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_ENDPOINT_URL": "http://minio:9000"}
+    assert _env_of(S3Bucket(bucket_name="b", credentials=minio).credentials) == _env_of(minio)
+    with pytest.raises(FrenzyError, match="assume_role_arn is not supported"):
+        _env_of(AwsCredentials(assume_role_arn="arn:aws:iam::1:role/r"))
+
+
+def test_a_storage_credentials_value_of_another_form_is_refused_naming_the_forms():
+    with pytest.raises(FrenzyError, match=r"'vault/x': expected one of aws-credentials/NAME, minio-credentials/NAME, s3-bucket/NAME"):
+        asyncio.run(credentials_env("vault/x"))
 
 
 @pytest.mark.pipelines
@@ -80,9 +117,6 @@ def test_a_run_without_a_cluster_parameter_allocates_on_the_pools_cluster(stack,
         report = TrainingReport.model_validate_json(f.read())
     assert report.allocation.gpu_type == "A10" and [p.node for p in report.allocation.placements] == ["a10-node"]
     assert POOL_CLUSTER == "local-hetero"  # the cluster whose only A10 node is a10-node
-
-
-SECRET = "frenzy-test-secret-7c1d9e"  # moto accepts any keys: what matters is where this string shows
 
 
 @pytest.fixture(scope="module")
