@@ -96,13 +96,18 @@ def test_prefect_block_register_finds_the_frenzy_cluster_block_type(stack, prefe
 
 
 @pytest.mark.pipelines
-def test_deployment_names_come_from_the_environment(stack, worker_pool):
-    deploy_all(stack, pool=worker_pool, name="nightly")
-    with stack.client_settings(), get_client(sync_client=True) as client:
-        train = client.read_deployment_by_name("train-llm/nightly")
-        ranks = client.read_deployment_by_name("distributed-train/nightly")
-    assert train.work_pool_name == ranks.work_pool_name == worker_pool
-    assert train.parameters == {"training_deployment": "distributed-train/nightly"}
+def test_deployment_names_come_from_the_environment_or_frenzy_deploy_name(stack, worker_pool):
+    deploy_all(stack, pool=worker_pool, name="nightly")  # prefect deploy --all, FRENZY_DEPLOYMENT=nightly
+    assert "deployed train-llm/weekly and distributed-train/weekly" in stack.run_cli(
+        "frenzy_prefect.cli", "deploy", "--pool", worker_pool, "--name", "weekly"
+    )
+    deploy_all(stack)  # FRENZY_* back to the session pool's names
+    for name in ("nightly", "weekly"):
+        with stack.client_settings(), get_client(sync_client=True) as client:
+            train = client.read_deployment_by_name(f"train-llm/{name}")
+            ranks = client.read_deployment_by_name(f"distributed-train/{name}")
+        assert train.work_pool_name == ranks.work_pool_name == worker_pool
+        assert train.parameters == {"training_deployment": f"distributed-train/{name}"}
 
 
 @pytest.mark.pipelines
