@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import ClassVar
 
 from prefect.blocks.core import Block
 from pydantic import Field
 
+from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.spec.cluster import ClusterSpec, Node
+
+# The `frenzy` worker sets this in a run's environment from its pool's `cluster` variable: the
+# FrenzyCluster block train-llm allocates on when the run does not name one.
+CLUSTER_ENV = "FRENZY_CLUSTER"
 
 
 class FrenzyCluster(Block):
@@ -36,3 +42,15 @@ def save_node(block_name: str, node: Node) -> ClusterSpec:
         spec = ClusterSpec(name=block_name, nodes=[node])
     FrenzyCluster(cluster=spec).save(block_name, overwrite=True)
     return spec
+
+
+def cluster_block_name(parameter: str | None) -> str:
+    """The FrenzyCluster block a run allocates on: its ``cluster`` parameter, else the pool's
+    ``cluster`` variable (CLUSTER_ENV)."""
+    name = parameter or os.environ.get(CLUSTER_ENV)
+    if not name:
+        raise FrenzyError(
+            "no cluster block named: pass train-llm's `cluster` parameter (a FrenzyCluster block) "
+            "or set the `cluster` variable of the frenzy work pool the run is on"
+        )
+    return name

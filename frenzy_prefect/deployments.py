@@ -10,12 +10,17 @@ from prefect.types.entrypoint import EntrypointType
 
 from frenzy_prefect.flows import distributed_train, train_llm
 
+DEFAULT_NAME = "frenzy"
 
-def deploy_flows(pool: str) -> list[UUID]:
-    """`train-llm/frenzy` and `distributed-train/frenzy` on ``pool``."""
+
+def deploy_flows(pool: str, name: str = DEFAULT_NAME) -> list[UUID]:
+    """`train-llm/NAME` and `distributed-train/NAME` on ``pool``, the first submitting its
+    training to the second."""
     return deploy(
-        train_llm.to_deployment(name="frenzy", entrypoint_type=EntrypointType.MODULE_PATH),
-        distributed_train.to_deployment(name="frenzy", entrypoint_type=EntrypointType.MODULE_PATH),
+        train_llm.to_deployment(
+            name=name, entrypoint_type=EntrypointType.MODULE_PATH, parameters={"training_deployment": f"distributed-train/{name}"}
+        ),
+        distributed_train.to_deployment(name=name, entrypoint_type=EntrypointType.MODULE_PATH),
         work_pool_name=pool,
         build=False,
         push=False,

@@ -10,6 +10,7 @@ from prefect.runtime import flow_run
 from prefect.states import Cancelled, State
 from pydantic import Field
 
+from frenzy_prefect.blocks import cluster_block_name
 from frenzy_prefect.cancellation import sigterm_cancels_when_cancelling
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.reporting import TrainingReporter
@@ -22,7 +23,7 @@ from frenzy_prefect.training.distributed import DistributedContext
 from frenzy_prefect.training.supervisor import supervise
 from frenzy_prefect.training.trainer import train as train_ranks
 
-TRAINING_DEPLOYMENT = "distributed-train/frenzy"
+TRAINING_DEPLOYMENT = "distributed-train/frenzy"  # deployments named otherwise pass their own (deployments.py)
 
 
 def default_output(dataset: str, run_name: str) -> str:
@@ -49,17 +50,18 @@ def chosen_first(candidates: list[PlanCandidate], rank: int) -> list[PlanCandida
 @flow(name="train-llm")
 def train_llm(
     request: TrainingRequest,
-    cluster: str = "local-hetero",
+    cluster: str | None = None,
     training_deployment: str = TRAINING_DEPLOYMENT,
     approve: bool = False,
     plan_only: bool = False,
     approval_timeout_s: int = 3600,
 ) -> TrainingReport | State | None:
     """Train ``request.model`` on ``request.dataset``: profile, estimate memory, allocate GPUs,
-    train on them, report. ``cluster`` names a FrenzyCluster block. The ranked plans (predicted
-    memory, time, cost) are the `memory-estimates` artifact; ``plan_only`` stops there, and
-    ``approve`` pauses there for a person to accept the first, pick another or decline, before
-    any GPU is asked for."""
+    train on them, report. ``cluster`` names a FrenzyCluster block; default: the `cluster`
+    variable of the frenzy work pool the run is on. The ranked plans (predicted memory, time,
+    cost) are the `memory-estimates` artifact; ``plan_only`` stops there, and ``approve`` pauses
+    there for a person to accept the first, pick another or decline, before any GPU is asked for."""
+    cluster = cluster_block_name(cluster)  # before any work: a run that names no cluster fails at once
     model = profile_model(request)
     dataset = profile_dataset(request, model)
     state = profile_cluster(cluster)

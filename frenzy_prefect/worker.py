@@ -34,6 +34,7 @@ from prefect.workers.base import BaseJobConfiguration, BaseWorker, BaseWorkerRes
 from pydantic import Field
 
 from frenzy_prefect import run_labels
+from frenzy_prefect.blocks import CLUSTER_ENV
 from frenzy_prefect.crash import crash_naming_the_cause
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.gpu_queue import GpuQueue, training_job_of
@@ -45,6 +46,7 @@ from frenzy_prefect.reclaim import reclaim_lost_runs
 from frenzy_prefect.reservations import LEASE_S, GpuHold, GpuReservations, volatile_lease_storage_warning
 from frenzy_prefect.server_calls import is_transient, patiently
 from frenzy_prefect.spec.plan import TrainingJob
+from frenzy_prefect.storage_credentials import credentials_env, with_credentials
 
 CANCEL_POLL_S = 1.0  # how often a running run's state is checked for cancellation
 
@@ -53,6 +55,17 @@ class FrenzyJobConfiguration(BaseJobConfiguration):
     """The pool's job template: each field is also a variable of the pool, typed and described
     here once (Prefect derives the variables' schema from these fields)."""
 
+    cluster: str | None = Field(
+        default=None,
+        title="Cluster Block",
+        description="FrenzyCluster block train-llm runs on this pool allocate on, unless a run's `cluster` parameter names another.",
+    )
+    storage_credentials: str | None = Field(
+        default=None,
+        title="Storage Credentials Block",
+        description="prefect-aws block (aws-credentials/NAME, minio-credentials/NAME or s3-bucket/NAME) whose S3 keys a run's "
+        "processes get in their environment (never in parameters or logs); default: the worker's environment.",
+    )
     working_dir: Path | None = Field(
         default=None, title="Working Directory", description="Directory the run's processes start in; default: the worker's."
     )
@@ -108,8 +121,15 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, Any, FrenzyWorkerResult]):
         if warning := await volatile_lease_storage_warning(self.client):
             self._logger.warning(warning)
 
-    def launches_for(self, configuration: FrenzyJobConfiguration, job: TrainingJob | None) -> list[Launch]:
+    def launches_for(
+        self, configuration: FrenzyJobConfiguration, job: TrainingJob | None, credentials: dict[str, str] | None = None
+    ) -> list[Launch]:
+        """The run's processes; ``credentials``: the storage_credentials block's environment."""
         env = {k: v for k, v in {**os.environ, **configuration.env}.items() if v is not None}
+        if configuration.cluster:
+            env[CLUSTER_ENV] = configuration.cluster
+        if credentials is not None:
+            env = with_credentials(env, credentials)
         if job is None:
             return [Launch(host="127.0.0.1", argv=shlex.split(configuration.command or ""), env=env)]
         return rank_launches(job, python=sys.executable, env=env)  # the launcher picks the rendezvous port on the first node
@@ -203,7 +223,8 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, Any, FrenzyWorkerResult]):
         hold: GpuHold | None = None,
     ) -> tuple[FrenzyWorkerResult, str | None]:
         """Start the run's processes and wait for them; (result, why it was cancelled, if it was)."""
-        launches = self.launches_for(configuration, job)
+        credentials = await credentials_env(configuration.storage_credentials) if configuration.storage_credentials else None
+        launches = self.launches_for(configuration, job, credentials)
         with tempfile.TemporaryDirectory(prefix="frenzy-ssh-") as keys:
             if job is not None and configuration.launcher == "ssh":
                 group = await start_ssh(launches, await _ssh_settings(configuration, Path(keys)), cwd=configuration.working_dir)

@@ -3,6 +3,7 @@ a `frenzy` worker), each started only when a test needs it and stopped by PID at
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -28,7 +29,8 @@ from frenzy_prefect.localstack import LocalStack  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE_CLUSTER = ROOT / "blocks" / "local-hetero.yaml"
 BUCKET = "frenzy-tests"
-POOL = "frenzy"  # the pool flows/prefect.yaml deploys to
+POOL = "frenzy"  # the pool flows/prefect.yaml deploys to (FRENZY_POOL)
+POOL_CLUSTER = "local-hetero"  # the test pool's `cluster` variable: train-llm's cluster when a run names none
 WORKER_LIMIT = 10  # runs a test worker holds at once: a crowd of 30 spills over to a second worker
 
 
@@ -118,14 +120,32 @@ def prefect_api(stack: LocalStack) -> str:
     return stack.start_prefect()
 
 
+def create_pool(stack: LocalStack, pool: str, cluster: str, **variables: object) -> None:
+    """`prefect work-pool create POOL --type frenzy --base-job-template FILE`: the worker type's
+    default template, its `cluster` variable (and any of ``variables``) defaulting as given."""
+    template = json.loads(stack.run_cli("prefect", "work-pool", "get-default-base-job-template", "--type", "frenzy"))
+    for name, default in {"cluster": cluster, **variables}.items():
+        template["variables"]["properties"][name]["default"] = default
+    path = stack.home / f"{pool}-template.json"
+    path.write_text(json.dumps(template))
+    stack.run_cli("prefect", "work-pool", "create", pool, "--type", "frenzy", "--base-job-template", str(path))
+
+
+def deploy_all(stack: LocalStack, pool: str = POOL, name: str = "frenzy") -> None:
+    """`prefect deploy --all` of flows/prefect.yaml, its names from the environment."""
+    stack.env.update(FRENZY_POOL=pool, FRENZY_DEPLOYMENT=name)
+    stack.run_cli("prefect", "--no-prompt", "deploy", "--all", "--prefect-file", str(ROOT / "flows" / "prefect.yaml"))
+
+
 def set_up_pool(stack: LocalStack, workers: tuple[str, ...] = ("frenzy-worker",)) -> str:
     """What a user sets up by hand: the example cluster block (`frenzy cluster save`), a `frenzy`
-    pool (`prefect work-pool create`) with worker processes, and the deployments of
+    pool on it (`prefect work-pool create`) with worker processes, and the deployments of
     flows/prefect.yaml (`prefect deploy --all`)."""
     stack.run_cli("frenzy_prefect.cli", "cluster", "save", str(EXAMPLE_CLUSTER))
+    create_pool(stack, POOL, POOL_CLUSTER)
     for name in workers:
         stack.start_worker(POOL, name=name, limit=WORKER_LIMIT)
-    stack.run_cli("prefect", "--no-prompt", "deploy", "--all", "--prefect-file", str(ROOT / "flows" / "prefect.yaml"))
+    deploy_all(stack)
     return POOL
 
 

@@ -28,7 +28,7 @@ from frenzy_prefect.localstack import LocalStack
 from frenzy_prefect.reservations import RENEW_EVERY_S, VOLATILE_LEASE_STORAGE, GpuReservations
 from frenzy_prefect.spec.cluster import ClusterSpec
 
-from .conftest import BUCKET, EXAMPLE_CLUSTER, POOL, ROOT
+from .conftest import BUCKET, EXAMPLE_CLUSTER, POOL, deploy_all
 from .test_e2e import training_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.faults]
@@ -45,7 +45,7 @@ def faults(tmp_path_factory, s3, dataset) -> LocalStack:
         stack.run_cli("frenzy_prefect.cli", "cluster", "save", str(EXAMPLE_CLUSTER))
         for name in WORKERS:
             stack.start_worker(POOL, name=name)
-        stack.run_cli("prefect", "--no-prompt", "deploy", "--all", "--prefect-file", str(ROOT / "flows" / "prefect.yaml"))
+        deploy_all(stack)
         yield stack
 
 

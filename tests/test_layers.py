@@ -23,7 +23,7 @@ LAYERS: list[set[str]] = [
     {"pipeline"},  # schedules as data (torch-free): the engine executes them, ReCycle plans them
     {"training", "launch", "scheduling", "recycle"},  # the rest of the core
     # The Prefect shell.
-    {"run_labels", "server_calls", "crash", "cancellation", "restarts", "blocks", "reporting", "charts"},
+    {"run_labels", "server_calls", "crash", "cancellation", "restarts", "blocks", "reporting", "charts", "storage_credentials"},
     {"reservations"},
     {"reclaim", "gpu_queue", "tasks"},
     {"flows", "worker"},

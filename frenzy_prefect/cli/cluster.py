@@ -40,15 +40,18 @@ def discover(
     )
 
 
-def deploy(pool: str = typer.Option("frenzy", "--pool", help="A work pool of type frenzy.")) -> None:
-    """Create the train-llm/frenzy and distributed-train/frenzy deployments on POOL."""
+def deploy(
+    pool: str = typer.Option("frenzy", "--pool", help="A work pool of type frenzy."),
+    name: str = typer.Option("frenzy", "--name", help="Deployment name of both flows."),
+) -> None:
+    """Create the train-llm/NAME and distributed-train/NAME deployments on POOL."""
     from frenzy_prefect.deployments import deploy_flows
 
     try:
-        deploy_flows(pool)
+        deploy_flows(pool, name)
     except ValueError as exc:
         raise FrenzyError(str(exc)) from None
-    typer.echo(f"deployed train-llm/frenzy and distributed-train/frenzy to work pool {pool!r}")
+    typer.echo(f"deployed train-llm/{name} and distributed-train/{name} to work pool {pool!r}")
 
 
 def cluster_save(

@@ -1,0 +1,200 @@
+"""Prefect's conventions, on real parts (the session's Prefect server and S3 endpoint, real CLI
+and worker processes): block registration by module, the pool's default cluster block, deployment
+names from the environment, S3 credentials from a prefect-aws block that never show."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    FlowFilter,
+    FlowFilterName,
+    LogFilter,
+    LogFilterFlowRunId,
+)
+
+from frenzy_prefect.blocks import CLUSTER_ENV, cluster_block_name
+from frenzy_prefect.errors import FrenzyError
+from frenzy_prefect.flows import default_output
+from frenzy_prefect.spec.result import TrainingReport
+from frenzy_prefect.storage import open_uri
+from frenzy_prefect.storage_credentials import _env_of, credentials_env
+from frenzy_prefect.worker import FrenzyJobConfiguration, FrenzyWorker
+
+from .conftest import BUCKET, POOL_CLUSTER, ROOT, create_pool, deploy_all
+from .test_e2e import GOOD, children, wait_final
+
+TINY = GOOD | {"steps": 2}
+SECRET = "frenzy-test-secret-7c1d9e"  # moto accepts any keys: what matters is where this string shows
+
+
+def test_importing_the_package_imports_neither_prefect_nor_torch_until_a_block_is_asked_for():
+    probe = (
+        "import sys, frenzy_prefect as f\n"
+        "before = sorted(m for m in ('prefect', 'torch') if m in sys.modules)\n"
+        "cls = f.FrenzyCluster\n"
+        "print(before, cls.__module__, 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["[]", "frenzy_prefect.blocks", "False"]
+
+
+def test_a_run_names_its_cluster_or_the_pool_does(monkeypatch):
+    monkeypatch.delenv(CLUSTER_ENV, raising=False)
+    with pytest.raises(FrenzyError, match="pass train-llm's `cluster` parameter .* or set the `cluster` variable"):
+        cluster_block_name(None)
+    monkeypatch.setenv(CLUSTER_ENV, "pool-default")
+    assert cluster_block_name(None) == "pool-default" and cluster_block_name("mine") == "mine"
+
+
+def test_the_worker_gives_a_runs_processes_the_pools_cluster_and_the_blocks_keys_in_place_of_its_own(monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "the-workers")
+    monkeypatch.setenv("AWS_SESSION_TOKEN", "the-workers-token")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://workers-endpoint")
+    config = FrenzyJobConfiguration(command="python -m prefect.engine", cluster="pool-cluster")
+    credentials = {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": SECRET}
+    (launch,) = FrenzyWorker(work_pool_name="p").launches_for(config, None, credentials)
+    assert launch.env[CLUSTER_ENV] == "pool-cluster" and launch.env["AWS_SECRET_ACCESS_KEY"] == SECRET
+    assert "AWS_SESSION_TOKEN" not in launch.env and launch.env["AWS_ENDPOINT_URL"] == "http://workers-endpoint"
+
+
+def test_each_kind_of_prefect_aws_block_stands_for_the_aws_environment():
+    pytest.importorskip("prefect_aws")
+    from prefect_aws import AwsCredentials, MinIOCredentials, S3Bucket
+    from prefect_aws.client_parameters import AwsClientParameters
+
+    aws = AwsCredentials(aws_access_key_id="k", aws_secret_access_key=SECRET, aws_session_token="t", region_name="eu-west-1")
+    keys = {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": SECRET}
+    assert _env_of(aws) == keys | {"AWS_SESSION_TOKEN": "t", "AWS_DEFAULT_REGION": "eu-west-1"}
+    minio = MinIOCredentials(
+        minio_root_user="u", minio_root_password=SECRET, aws_client_parameters=AwsClientParameters(endpoint_url="http://minio:9000")
+    )
+    assert _env_of(minio) == {"AWS_ACCESS_KEY_ID": "u", "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_ENDPOINT_URL": "http://minio:9000"}
+    assert _env_of(S3Bucket(bucket_name="b", credentials=minio).credentials) == _env_of(minio)
+    with pytest.raises(FrenzyError, match="assume_role_arn is not supported"):
+        _env_of(AwsCredentials(assume_role_arn="arn:aws:iam::1:role/r"))
+
+
+def test_a_storage_credentials_value_of_another_form_is_refused_naming_the_forms():
+    with pytest.raises(FrenzyError, match=r"'vault/x': expected one of aws-credentials/NAME, minio-credentials/NAME, s3-bucket/NAME"):
+        asyncio.run(credentials_env("vault/x"))
+
+
+@pytest.mark.pipelines
+def test_prefect_block_register_finds_the_frenzy_cluster_block_type(stack, prefect_api):
+    out = stack.run_cli("prefect", "block", "register", "-m", "frenzy_prefect")
+    assert "Frenzy Cluster" in out
+    assert "frenzy-cluster" in stack.run_cli("prefect", "block", "type", "ls")
+
+
+@pytest.mark.pipelines
+def test_deployment_names_come_from_the_environment_or_frenzy_deploy_name(stack, worker_pool):
+    deploy_all(stack, pool=worker_pool, name="nightly")  # prefect deploy --all, FRENZY_DEPLOYMENT=nightly
+    assert "deployed train-llm/weekly and distributed-train/weekly" in stack.run_cli(
+        "frenzy_prefect.cli", "deploy", "--pool", worker_pool, "--name", "weekly"
+    )
+    deploy_all(stack)  # FRENZY_* back to the session pool's names
+    for name in ("nightly", "weekly"):
+        with stack.client_settings(), get_client(sync_client=True) as client:
+            train = client.read_deployment_by_name(f"train-llm/{name}")
+            ranks = client.read_deployment_by_name(f"distributed-train/{name}")
+        assert train.work_pool_name == ranks.work_pool_name == worker_pool
+        assert train.parameters == {"training_deployment": f"distributed-train/{name}"}
+
+
+@pytest.mark.pipelines
+def test_a_run_without_a_cluster_parameter_allocates_on_the_pools_cluster(stack, worker_pool, dataset):
+    """The test pool was created with `cluster` defaulting to the example cluster's block."""
+    with stack.client_settings():
+        from prefect.deployments import run_deployment
+
+        run = wait_final(run_deployment("train-llm/frenzy", parameters={"request": TINY | {"dataset": dataset}}, timeout=0).id)
+    assert run.state.is_completed(), run.state.message
+    with open_uri(f"{default_output(dataset, run.name)}/report.json", "r") as f:
+        report = TrainingReport.model_validate_json(f.read())
+    assert report.allocation.gpu_type == "A10" and [p.node for p in report.allocation.placements] == ["a10-node"]
+    assert POOL_CLUSTER == "local-hetero"  # the cluster whose only A10 node is a10-node
+
+
+@pytest.fixture(scope="module")
+def aws_pool(stack, worker_pool, dataset) -> str:
+    """A second pool whose runs take their S3 keys and endpoint from an AwsCredentials block; its
+    worker's own endpoint goes nowhere, so a run that reaches S3 did so through the block."""
+    pytest.importorskip("prefect_aws")
+    from prefect_aws import AwsCredentials
+    from prefect_aws.client_parameters import AwsClientParameters
+
+    with stack.client_settings():
+        AwsCredentials(
+            aws_access_key_id="frenzy-test-key",
+            aws_secret_access_key=SECRET,
+            region_name="us-east-1",
+            aws_client_parameters=AwsClientParameters(endpoint_url=stack.env["AWS_ENDPOINT_URL"]),
+        ).save("moto", overwrite=True)
+    pool = "frenzy-aws"
+    create_pool(stack, pool, POOL_CLUSTER, storage_credentials="aws-credentials/moto")
+    endpoint, key = stack.env["AWS_ENDPOINT_URL"], stack.env.get("AWS_SECRET_ACCESS_KEY")
+    stack.env.update(AWS_ENDPOINT_URL="http://127.0.0.1:9", AWS_SECRET_ACCESS_KEY="not-the-block-secret")  # nothing listens on 9
+    try:
+        stack.start_worker(pool, name="frenzy-aws-worker")
+    finally:
+        stack.env.update(AWS_ENDPOINT_URL=endpoint, AWS_SECRET_ACCESS_KEY=key or "")
+    deploy_all(stack, pool=pool, name="aws")
+    deploy_all(stack)  # FRENZY_* back to the session pool's names
+    return pool
+
+
+def _everything_shown(stack, run) -> str:
+    """A run's and its children's state messages, parameters, logs and artifacts, as text."""
+    runs = [run, *children(stack, run)]
+    ids = [r.id for r in runs]
+    with stack.client_settings(), get_client(sync_client=True) as client:
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=ids)))
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=ids)))
+        runs = [client.read_flow_run(i) for i in ids]
+    parts = [f"{r.state.message} {r.parameters} {r.job_variables}" for r in runs]
+    return "\n".join(parts + [log.message for log in logs] + [str(a.data) for a in artifacts])
+
+
+@pytest.mark.pipelines
+def test_s3_credentials_from_an_aws_credentials_block_reach_every_process_and_never_show(stack, aws_pool, dataset):
+    with stack.client_settings():
+        from prefect.deployments import run_deployment
+
+        ok = run_deployment("train-llm/aws", parameters={"request": TINY | {"dataset": dataset}}, timeout=0).id
+        absent = f"s3://{BUCKET}/data/absent.txt"
+        missing = run_deployment("train-llm/aws", parameters={"request": TINY | {"dataset": absent}}, timeout=0).id
+        ok, missing = wait_final(ok), wait_final(missing)
+    assert ok.state.is_completed(), ok.state.message
+    (training,) = children(stack, ok)
+    assert training.state.is_completed() and training.work_pool_name == aws_pool  # the ranks read and wrote S3 too
+    assert missing.state.is_failed() and f"{absent} does not exist" in missing.state.message
+    for run in (ok, missing):
+        shown = _everything_shown(stack, run)
+        assert "step 2/2" in shown or "does not exist" in shown  # the logs were read
+        assert SECRET not in shown
+
+
+@pytest.mark.pipelines
+def test_the_example_pipeline_calls_train_llm_as_a_subflow(stack, worker_pool, dataset):
+    """examples/pipeline.py as a user runs it: its flow in its own process, train-llm inside it,
+    the ranks through the pool."""
+    argv = [sys.executable, str(ROOT / "examples" / "pipeline.py"), dataset, "--cluster", POOL_CLUSTER, "--steps", "2", "--max-loss", "100"]
+    out = subprocess.run(argv, env=stack.env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    gate = json.loads(out.stdout.strip().splitlines()[-1])
+    assert gate["accepted"] and gate["gpus"] == "2 x A10"
+    with stack.client_settings(), get_client(sync_client=True) as client:
+        (pipeline,) = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["nightly-training"])))
+    (train,) = children(stack, pipeline)
+    (ranks,) = children(stack, train)
+    assert pipeline.state.is_completed() and train.state.is_completed()
+    assert (str(ranks.id), ranks.work_pool_name) == (gate["training_flow_run"], worker_pool)
