@@ -1,4 +1,5 @@
-"""The flows users deploy: `train-llm` (the pipeline step) and `distributed-train` (its ranks)."""
+"""The flows users deploy: `train-llm` (the pipeline step), `distributed-train` (its ranks) and
+`prepare-dataset` (raw text to token shards, which `train-llm` also does first when given raw text)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,24 @@ from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
 
 from frenzy_prefect.cancellation import sigterm_cancels_when_cancelling
+from frenzy_prefect.datasets.prepare import Prepared, for_model
 from frenzy_prefect.events import training_events
+from frenzy_prefect.profiling.dataset import is_token_data
 from frenzy_prefect.restarts import failures_restart_while_torchrun_can
+from frenzy_prefect.spec.dataset import Preparation
 from frenzy_prefect.spec.plan import TrainingJob
 from frenzy_prefect.spec.request import TrainingRequest
 from frenzy_prefect.spec.result import TrainingReport, TrainingResult
-from frenzy_prefect.tasks import allocate, estimate_memory, profile_cluster, profile_dataset, profile_model, report, train
+from frenzy_prefect.tasks import (
+    allocate,
+    estimate_memory,
+    prepare_dataset,
+    profile_cluster,
+    profile_dataset,
+    profile_model,
+    report,
+    train,
+)
 from frenzy_prefect.training.distributed import DistributedContext
 from frenzy_prefect.training.supervisor import supervise
 from frenzy_prefect.training.trainer import train as train_ranks
@@ -22,7 +35,8 @@ TRAINING_DEPLOYMENT = "distributed-train/frenzy"
 
 
 def default_output(dataset: str, run_name: str) -> str:
-    """Beside the dataset: <dataset dir>/frenzy-runs/<flow run name>."""
+    """Beside the dataset: <dataset dir>/frenzy-runs/<flow run name> (a raw prefix's parent, not inside it)."""
+    dataset = dataset.rstrip("/")
     folder = dataset.rsplit("/", 1)[0] if "/" in dataset else "."
     return f"{folder}/frenzy-runs/{run_name}"
 
@@ -33,10 +47,13 @@ def train_llm(
     cluster: str = "local-hetero",
     training_deployment: str = TRAINING_DEPLOYMENT,
 ) -> TrainingReport:
-    """Train ``request.model`` on ``request.dataset``: profile, estimate memory, allocate GPUs,
-    train on them, report. ``cluster`` names a FrenzyCluster block."""
+    """Train ``request.model`` on ``request.dataset``: prepare it if it is raw text, profile,
+    estimate memory, allocate GPUs, train on them, report. ``cluster`` names a FrenzyCluster block."""
     model = profile_model(request)
-    dataset = profile_dataset(request, model)
+    data = request.dataset
+    if request.prepare is not None or not is_token_data(data):
+        data = prepare_dataset(data, for_model(request.prepare, model.vocab_size)).manifest_uri
+    dataset = profile_dataset(request, model, data)
     state = profile_cluster(cluster)
     candidates = estimate_memory(model, request, state)
     allocation = allocate(candidates, state)
@@ -51,6 +68,13 @@ def train_llm(
     )
     result, training_run = train(job, training_deployment)
     return report(job, result, training_run)
+
+
+@flow(name="prepare-dataset")
+def prepare_dataset_flow(source: str, options: Preparation) -> Prepared:
+    """Tokenise the raw text under ``source`` (*.txt, *.jsonl, *.parquet) into token shards and a
+    manifest, once per content; ``train-llm`` trains on the manifest's URI."""
+    return prepare_dataset(source, options)
 
 
 @flow(name="distributed-train")
