@@ -241,3 +241,21 @@ def test_a_rank_trains_on_prepared_shards_and_learns(s3):
     job = job.model_copy(update={"model": model, "request": job.request.model_copy(update={"steps": 30, "seq_len": 32})})
     result = train(job, DistributedContext(), log=lambda line: None)
     assert result.losses[0] > 5.0 and result.losses[-1] < result.losses[0] - 1.0  # uniform over 320 ids: 5.77; measured 4.05 after 30 steps
+
+
+def test_the_prepare_dataset_flow_prepares_then_finds_its_work_done(stack, prefect_api, s3):
+    from prefect import get_client
+
+    from frenzy_prefect.flows import prepare_dataset_flow
+
+    prefix = f"s3://{BUCKET}/raw-flow/"
+    put(f"{prefix}a.txt", texts(1, seed=10)[0].encode())
+    with stack.client_settings():
+        first = prepare_dataset_flow(prefix, BPE)
+        second = prepare_dataset_flow(prefix, BPE)
+        with get_client(sync_client=True) as client:
+            artifacts = client.read_artifacts()
+    assert not first.cached and second.cached and second.manifest_uri == first.manifest_uri
+    assert first.manifest.documents == 1 and profile_dataset(first.manifest_uri, 16, 400).shards
+    notes = [a.data for a in artifacts if a.key == "dataset-preparation"]
+    assert any("Dataset prepared" in n for n in notes) and any("Dataset found prepared" in n for n in notes)
