@@ -259,3 +259,46 @@ def test_the_prepare_dataset_flow_prepares_then_finds_its_work_done(stack, prefe
     assert first.manifest.documents == 1 and profile_dataset(first.manifest_uri, 16, 400).shards
     notes = [a.data for a in artifacts if a.key == "dataset-preparation"]
     assert any("Dataset prepared" in n for n in notes) and any("Dataset found prepared" in n for n in notes)
+
+
+TINY_BPE_MODEL = {"n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 384, "n_positions": 64}
+
+
+@pytest.mark.e2e
+def test_train_llm_prepares_a_raw_prefix_then_trains_on_its_shards(stack, worker_pool, s3):
+    """Through the deployment and the worker: a raw JSONL prefix is prepared (a BPE of the model's
+    vocab_size), then trained on; a model whose vocabulary cannot hold a byte-level BPE is refused
+    in one line before any GPU is asked for."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+    from prefect.deployments import run_deployment
+
+    from frenzy_prefect.flows import default_output
+    from frenzy_prefect.spec.result import TrainingReport
+
+    from .test_e2e import children, wait_final
+
+    prefix = f"s3://{BUCKET}/raw-e2e/"
+    put(f"{prefix}a.jsonl", "\n".join(json.dumps({"text": t}) for t in texts(40, seed=11)).encode())
+    base = {"dataset": prefix, "global_batch": 16, "seq_len": 32, "steps": 20, "precision": "fp32"}
+    requests = {"raw": base | {"model": TINY_BPE_MODEL}, "bytes-model": base | {"model": "gpt-nano"}}
+    with stack.client_settings():
+        ids = {name: run_deployment("train-llm/frenzy", parameters={"request": r}, timeout=0).id for name, r in requests.items()}
+        runs = {name: wait_final(run_id) for name, run_id in ids.items()}
+        with get_client(sync_client=True) as client:
+            artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[runs["raw"].id])))
+
+    run = runs["raw"]
+    assert run.state.is_completed(), run.state.message
+    (training,) = children(stack, run)
+    assert training.parameters["job"]["dataset"]["uri"].startswith(f"s3://{BUCKET}/frenzy-prepared/")
+    assert training.parameters["job"]["dataset"]["format"] == "uint16" and training.parameters["job"]["dataset"]["shards"]
+    assert "dataset-preparation" in {a.key for a in artifacts}
+    with open_uri(f"{default_output(prefix, run.name)}/report.json", "r") as f:
+        report = TrainingReport.model_validate_json(f.read())
+    assert default_output(prefix, run.name).startswith(f"s3://{BUCKET}/frenzy-runs/"), "beside the raw prefix, not inside it"
+    assert report.loss_end < report.loss_start - 0.5
+
+    refused = runs["bytes-model"]
+    assert refused.state.is_failed() and "a byte-level BPE needs vocab_size >= 257" in refused.state.message
+    assert children(stack, refused) == []
