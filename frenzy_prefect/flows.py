@@ -71,10 +71,11 @@ def train_llm(
 
 
 @flow(name="prepare-dataset")
-def prepare_dataset_flow(source: str, options: Preparation) -> Prepared:
+def prepare_dataset_flow(source: str, options: Preparation | None = None) -> Prepared:
     """Tokenise the raw text under ``source`` (*.txt, *.jsonl, *.parquet) into token shards and a
-    manifest, once per content; ``train-llm`` trains on the manifest's URI."""
-    return prepare_dataset(source, options)
+    manifest, once per content; ``train-llm`` trains on the manifest's URI. ``options`` names the
+    tokenizer, or the vocab_size of a BPE trained on the data."""
+    return prepare_dataset(source, options or Preparation())
 
 
 @flow(name="distributed-train")

@@ -302,3 +302,19 @@ def test_train_llm_prepares_a_raw_prefix_then_trains_on_its_shards(stack, worker
     refused = runs["bytes-model"]
     assert refused.state.is_failed() and "a byte-level BPE needs vocab_size >= 257" in refused.state.message
     assert children(stack, refused) == []
+
+
+def test_a_file_another_process_added_is_seen_though_this_one_listed_the_prefix_before(s3):
+    """s3fs caches listings per filesystem instance, and a worker keeps its instance: the listing
+    that decides the content hash must be fresh, or new data would be a cache hit on the old."""
+    import fsspec
+
+    from frenzy_prefect.storage import filesystem_options
+
+    prefix = f"s3://{BUCKET}/raw-stale/"
+    put(f"{prefix}a.txt", texts(1, seed=12)[0].encode())
+    first = prepare(prefix, BPE)
+    elsewhere = fsspec.filesystem("s3", skip_instance_cache=True, **filesystem_options(prefix))
+    elsewhere.pipe_file(f"{BUCKET}/raw-stale/b.txt", texts(1, seed=13)[0].encode())
+    second = prepare(prefix, BPE)
+    assert not second.cached and second.manifest.documents == 2 and second.manifest.content_hash != first.manifest.content_hash

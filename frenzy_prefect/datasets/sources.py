@@ -58,10 +58,15 @@ def list_sources(source: str) -> Listing:
     fs, path = filesystem(source)
     path, root = path.rstrip("/"), source.rstrip("/")
     with reaching(source):
+        # s3fs caches listings per filesystem instance, and a worker keeps its instance: a stale
+        # one would hash (and open) yesterday's files. Forget them under the prefix first.
+        fs.invalidate_cache(path)
         if fs.isfile(path):
             found, base, root = {path: fs.info(path)}, path.rsplit("/", 1)[0], root.rsplit("/", 1)[0]
         else:
             found, base = fs.find(path, detail=True), path
+        for name in found:
+            fs.invalidate_cache(name)  # and the folders the files are in
         files = []
         for name in sorted(found):
             rel = name[len(base) :].lstrip("/")
