@@ -10,9 +10,9 @@ from prefect.runtime import flow_run
 
 from frenzy_prefect.cancellation import sigterm_cancels_when_cancelling
 from frenzy_prefect.datasets.prepare import Prepared, for_model
-from frenzy_prefect.events import training_events
 from frenzy_prefect.profiling.dataset import is_token_data
-from frenzy_prefect.restarts import failures_restart_while_torchrun_can
+from frenzy_prefect.reporting import TrainingReporter
+from frenzy_prefect.restarts import failures_restart_while_torchrun_can, restarts_left
 from frenzy_prefect.spec.dataset import Preparation
 from frenzy_prefect.spec.plan import TrainingJob
 from frenzy_prefect.spec.request import TrainingRequest
@@ -82,7 +82,16 @@ def prepare_dataset_flow(source: str, options: Preparation | None = None) -> Pre
 def distributed_train(job: TrainingJob) -> TrainingResult:
     """Rank 0 of a training job (the `frenzy` worker starts the other ranks beside it)."""
     run_id, log = FlowRunContext.get().flow_run.id, get_run_logger().info
+    report = TrainingReporter(run_id, job)
     with sigterm_cancels_when_cancelling(run_id), failures_restart_while_torchrun_can(run_id, log):
-        if job.request.resilience == "recycle":  # rank 0's trainer runs beside this flow run, which survives it
-            return supervise(job, DistributedContext.from_env(), log=log, notify=training_events(run_id, job))
-        return train_ranks(job, DistributedContext.from_env(), log=log)
+        try:
+            if job.request.resilience == "recycle":  # rank 0's trainer runs beside this flow run, which survives it
+                result = supervise(job, DistributedContext.from_env(), log=log, notify=report)
+            else:
+                result = train_ranks(job, DistributedContext.from_env(), log=log, notify=report)
+        except Exception as exc:
+            if restarts_left() <= 0:  # (else torchrun starts the ranks again)
+                report("failed", {"error": f"{type(exc).__name__}: {exc}"[:500]})
+            raise
+    report("completed", {"steps": result.steps, "loss": result.losses[-1], "checkpoint": result.checkpoint})
+    return result

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 
 from prefect import get_client, task
@@ -12,6 +13,7 @@ from prefect.utilities.asyncutils import run_coro_as_sync
 
 from frenzy_prefect import allocator
 from frenzy_prefect.blocks import FrenzyCluster, save_node
+from frenzy_prefect.charts import loss_curve_png
 from frenzy_prefect.datasets.prepare import Prepared
 from frenzy_prefect.datasets.prepare import prepare as _prepare
 from frenzy_prefect.errors import ClusterBusy, FrenzyError
@@ -226,6 +228,14 @@ def report(job: TrainingJob, result: TrainingResult, training_flow_run: str) -> 
         if i % stride == 0 or i + 1 == len(result.losses)
     ]
     create_table_artifact(key="loss-curve", table=curve, description="Training loss (mean over ranks)")
+    picture = loss_curve_png(result.losses, f"{summary.model}: training loss")
+    picture_uri = f"{job.report_uri.rsplit('/', 1)[0]}/loss-curve.png"
+    write_bytes(picture_uri, picture)
+    create_markdown_artifact(
+        key="loss-curve-picture",
+        markdown=f"![training loss](data:image/png;base64,{base64.b64encode(picture).decode()})\n\nAlso at `{picture_uri}`.",
+        description="Training loss per step",
+    )
     if result.failures:
         create_table_artifact(
             key="failures-survived", table=_survived_rows(result), description="Rank failures trained through, and rejoins"

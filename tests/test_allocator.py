@@ -197,3 +197,38 @@ def test_a_pinned_part_of_the_plan_is_kept_and_the_allocator_chooses_the_rest():
     impossible = req.model_copy(update={"plan": PlanPin(tp=3)})  # gpt-nano's 4 heads do not split three ways
     with pytest.raises(NoFeasiblePlan, match=r"^no plan with tp=3 runs on cluster .*: tp must split the heads evenly"):
         allocator.candidate_plans(PRESETS["gpt-nano"], impossible, CLUSTER)
+
+
+PRICED = CLUSTER.model_copy(update={"prices": {"A10": 1.0, "T4": 0.2}})
+
+
+def _priced(**request):
+    req = TrainingRequest(model="gpt-nano", dataset="s3://b/d.txt", **({"global_batch": 32, "seq_len": 128, "precision": "fp32"} | request))
+    cands = allocator.candidate_plans(PRESETS["gpt-nano"], req, PRICED)
+    return allocator.allocate(cands, ClusterState.idle(PRICED)), cands
+
+
+@pytest.mark.pipelines
+def test_the_cost_objective_runs_the_cheapest_fitting_plan_and_a_deadline_excludes_the_slow_ones():
+    fastest, _ = _priced(steps=1000)
+    cheapest, cands = _priced(steps=1000, objective="cost")
+    fitting = [c for c in cands if c.fits]
+    assert all(c.total_time_s == pytest.approx(c.step_time_s * 1000) for c in fitting)
+    assert all(c.cost == pytest.approx(c.total_time_s / 3600 * c.plan.gpus * PRICED.prices[c.gpu_type]) for c in fitting)
+    assert cheapest.cost == min(c.cost for c in fitting) and cheapest.cost < fastest.cost
+    assert (fastest.gpu_type, cheapest.gpu_type) == ("A10", "T4")  # the T4 is slower, and cheaper per step
+
+    deadline = (fastest.total_time_s + cheapest.total_time_s) / 2 / 3600  # the cheap plan misses it
+    within, cands = _priced(steps=1000, objective="cost", deadline_hours=deadline)
+    assert within.total_time_s <= deadline * 3600 and all(c.total_time_s <= deadline * 3600 for c in cands)
+    assert within.cost == min(c.cost for c in cands if c.fits) and within.cost > cheapest.cost
+
+
+@pytest.mark.pipelines
+def test_a_deadline_no_plan_meets_and_a_cost_objective_without_prices_say_what_to_change():
+    with pytest.raises(
+        NoFeasiblePlan, match=r"no plan on cluster 'local-hetero' is predicted to finish 1000 steps within 1e-06 h: the fastest"
+    ):
+        _priced(steps=1000, deadline_hours=1e-6)
+    with pytest.raises(NoFeasiblePlan, match=r"objective 'cost' needs the price of a GPU-hour of every type .* add prices for A10, T4"):
+        _allocate(objective="cost")

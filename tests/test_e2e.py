@@ -108,11 +108,54 @@ def test_a_request_is_trained_on_the_chosen_gpus_through_the_worker(stack, runs,
     with stack.client_settings(), get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])))
         logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[training.id])))
-    assert {"memory-estimates", "allocation", "chosen-plan-memory", "loss-curve", "training-report"} <= {x.key for x in artifacts}
+    keys = {"memory-estimates", "allocation", "chosen-plan-memory", "loss-curve", "loss-curve-picture", "training-report"}
+    assert keys <= {x.key for x in artifacts}
+    with open_uri(f"{default_output(dataset, run.name)}/loss-curve.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     (chosen,) = [x for x in artifacts if x.key == "chosen-plan-memory"]
     assert "activations GiB" in str(chosen.data) and "optimizer GiB" in str(chosen.data)
     progress = [log.message for log in logs if log.message.startswith("step ")]
     assert progress[0].startswith("step 1/30 loss") and progress[-1].startswith("step 30/30 loss")
+
+
+@pytest.mark.pipelines
+def test_the_training_run_reports_progress_the_live_loss_and_its_events_while_it_trains(stack, runs):
+    (training,) = children(stack, runs["good"])
+    with stack.client_settings(), get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[training.id])))
+        about = {"event": {"prefix": ["frenzy.training."]}, "any_resource": {"id": [f"prefect.flow-run.{training.id}"]}}
+        events = client._client.post("/events/filter", json={"filter": about}).json()["events"]
+    latest = {a.key: a for a in sorted(artifacts, key=lambda a: a.created)}  # the table is re-published as it grows
+    progress, table = latest["training-progress"], latest["live-loss"]
+    assert progress.type == "progress" and float(progress.data) == 100.0
+    rows = json.loads(table.data) if isinstance(table.data, str) else table.data
+    assert rows[-1]["step"] == "30" and float(rows[0]["loss"]) > float(rows[-1]["loss"])
+    names = [e["event"] for e in sorted(events, key=lambda e: e["occurred"])]
+    assert names[0] == "frenzy.training.started" and names[-1] == "frenzy.training.completed", names
+    assert "frenzy.training.checkpointed" in names
+    assert all(e["resource"]["frenzy.run"] == str(runs["good"].id) for e in events)
+
+
+@pytest.mark.pipelines
+def test_the_loss_curve_picture_renders_in_the_prefect_ui_in_a_real_browser(stack, runs, tmp_path):
+    """Headless Chromium opens the train-llm run's loss-curve artifact in the Prefect UI: the UI's
+    markdown keeps the PNG (a data URI), and the page renders."""
+    import shutil
+    import subprocess
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if chromium is None:
+        pytest.skip("no Chromium on this machine (Debian: apt-get install chromium)")
+    with stack.client_settings(), get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[runs["good"].id])))
+    (picture,) = [a for a in artifacts if a.key == "loss-curve-picture"]
+    page = f"{stack.ui_url}/artifacts/artifact/{picture.id}"
+    browser = [chromium, "--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--virtual-time-budget=20000"]
+    dom = subprocess.run([*browser, "--dump-dom", page], capture_output=True, text=True, timeout=180).stdout
+    assert "<img" in dom and 'src="data:image/png;base64,' in dom, dom[-2000:]
+    shot = tmp_path / "loss-curve-artifact.png"
+    subprocess.run([*browser, "--window-size=1400,1000", f"--screenshot={shot}", page], capture_output=True, timeout=180)
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
 
 
 def test_a_job_no_gpu_can_hold_fails_in_allocate_before_any_process_starts(stack, runs):

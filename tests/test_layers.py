@@ -24,7 +24,7 @@ LAYERS: list[set[str]] = [
     {"pipeline"},  # schedules as data (torch-free): the engine executes them, ReCycle plans them
     {"training", "launch", "scheduling", "recycle"},  # the rest of the core
     # The Prefect shell.
-    {"run_labels", "server_calls", "crash", "cancellation", "restarts", "blocks", "events"},
+    {"run_labels", "server_calls", "crash", "cancellation", "restarts", "blocks", "reporting", "charts"},
     {"reservations"},
     {"reclaim", "gpu_queue", "tasks"},
     {"flows", "worker"},

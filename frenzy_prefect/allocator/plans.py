@@ -59,6 +59,7 @@ def candidate_plans(model: ModelSpec, request: TrainingRequest, cluster: Cluster
     are fixed, so this is its predicted completion time), then fewer GPUs (GPU-seconds), fewer
     accumulation steps, no recomputation. The plans: every plan the memory model covers
     (``plan_space``) that the training engine runs with the request's precision."""
+    check_objective(request, cluster)
     workload = {"global_batch": request.global_batch, "seq_len": request.seq_len, "precision": request.precision}
     kinds = gpu_kinds(cluster)
     if request.precision == "bf16":
@@ -99,7 +100,9 @@ def candidate_plans(model: ModelSpec, request: TrainingRequest, cluster: Cluster
                     ),
                     gpu_memory_bytes=gpu.memory_bytes,
                     margin_bytes=margin,
-                    step_time_s=predict_step(model, plan, **workload, gpu=gpu, network_gbps=network).seconds,
+                    **_time_and_cost(
+                        predict_step(model, plan, **workload, gpu=gpu, network_gbps=network).seconds, plan, name, request, cluster
+                    ),
                 )
             )
     if not out and request.resilience == "recycle":
@@ -114,9 +117,11 @@ def candidate_plans(model: ModelSpec, request: TrainingRequest, cluster: Cluster
             "within one node, pp at most the layers and a power of two, dp x tp x pp within one GPU type's count, "
             f"dp x micro_batch dividing global_batch ({request.global_batch}), zero 2 without pp, zero 3 without tp or pp"
         )
+    out = _within_deadline(out, request, cluster)
     out.sort(
         key=lambda c: (
             not c.fits,
+            c.cost if request.objective == "cost" else 0.0,
             c.step_time_s,
             c.plan.gpus,
             c.plan.accumulation(request.global_batch),
@@ -124,3 +129,37 @@ def candidate_plans(model: ModelSpec, request: TrainingRequest, cluster: Cluster
         )
     )
     return out
+
+
+def _time_and_cost(step_s: float, plan: ParallelPlan, gpu_type: str, request: TrainingRequest, cluster: ClusterSpec) -> dict:
+    """A plan's predicted step time, time for all the request's steps, and their cost at the
+    cluster's price of its GPU type (None without one)."""
+    total_s = step_s * request.steps
+    price = cluster.prices.get(gpu_type)
+    return {"step_time_s": step_s, "total_time_s": total_s, "cost": None if price is None else total_s / 3600 * plan.gpus * price}
+
+
+def check_objective(request: TrainingRequest, cluster: ClusterSpec) -> None:
+    """Objective 'cost' needs a price for every GPU type of the cluster."""
+    missing = sorted({n.gpu_type for n in cluster.nodes} - cluster.prices.keys())
+    if request.objective == "cost" and missing:
+        raise NoFeasiblePlan(
+            f"objective 'cost' needs the price of a GPU-hour of every type in cluster {cluster.name!r}; "
+            f"add prices for {', '.join(missing)} (e.g. 'prices: {{{missing[0]}: 1.2}}' in the cluster file) or use objective 'time'"
+        )
+
+
+def _within_deadline(candidates: list[PlanCandidate], request: TrainingRequest, cluster: ClusterSpec) -> list[PlanCandidate]:
+    """The candidates predicted to finish within the request's deadline (all without one); none
+    among those that fit: NoFeasiblePlan naming the fastest fitting plan's time."""
+    if request.deadline_hours is None:
+        return candidates
+    fitting = [c for c in candidates if c.fits]
+    kept = [c for c in candidates if c.total_time_s <= request.deadline_hours * 3600]
+    if fitting and not any(c.fits for c in kept):
+        fastest = min(fitting, key=lambda c: c.total_time_s)
+        raise NoFeasiblePlan(
+            f"no plan on cluster {cluster.name!r} is predicted to finish {request.steps} steps within {request.deadline_hours:g} h: "
+            f"the fastest, {fastest.plan.label()} on {fastest.plan.gpus} x {fastest.gpu_type}, takes {fastest.total_time_s / 3600:.2f} h"
+        )
+    return kept

@@ -91,7 +91,7 @@ def training_request(
     attention: str = "flash",
     master_weights: bool = False,
     pin: dict | None = None,
-    resilience: str = "restart",
+    **fields: object,
 ) -> TrainingRequest:
     """The workload a command describes, validated as a training request (it names no dataset),
     so that bad values get the same one-line errors as in a flow."""
@@ -100,13 +100,12 @@ def training_request(
         dataset="-",
         global_batch=global_batch,
         seq_len=seq_len,
-        steps=1,
         precision=precision,
         attention=attention,
         master_weights=master_weights,
         optimizer={"name": optimizer},
         plan=pin,
-        resilience=resilience,
+        **({"steps": 1} | fields),
     )
 
 

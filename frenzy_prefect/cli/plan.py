@@ -26,6 +26,9 @@ def plan(
     resilience: str = typer.Option(
         "restart", "--resilience", help="restart or recycle (ReCycle: only the pipeline plans it can keep running through a failure)."
     ),
+    steps: int = typer.Option(1, "--steps", min=1, help="Optimizer steps: the plans' total time and cost are for this many."),
+    objective: str = typer.Option("time", "--objective", help="time (the fastest plan) or cost (the cheapest: needs prices)."),
+    deadline_hours: float | None = typer.Option(None, "--deadline-hours", help="Only plans predicted to finish the steps in time."),
     top: int = typer.Option(10, "--top", min=1, help="How many ranked plans to show."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
@@ -36,7 +39,20 @@ def plan(
 
     spec = resolve_model(model, seq_len=seq_len)
     pin = {"tp": tp, "pp": pp} if tp is not None or pp is not None else None
-    request = training_request(model, global_batch, seq_len, precision, optimizer, attention, master_weights, pin, resilience)
+    request = training_request(
+        model,
+        global_batch,
+        seq_len,
+        precision,
+        optimizer,
+        attention,
+        master_weights,
+        pin,
+        resilience=resilience,
+        steps=steps,
+        objective=objective,
+        deadline_hours=deadline_hours,
+    )
     state = ClusterState.idle(ClusterSpec.from_file(cluster))
     candidates = allocator.candidate_plans(spec, request, state.cluster)
     chosen = allocator.allocate(candidates, state)
@@ -52,6 +68,8 @@ def plan(
                 "margin_bytes": c.margin_bytes,
                 "spare_bytes": c.spare_bytes,
                 "step_time_s": c.step_time_s,
+                "total_time_s": c.total_time_s,
+                "cost": c.cost,
             }
             for c in ranked
         ]
@@ -63,7 +81,24 @@ def plan(
         caption=f"peak: predicted tensors and the GPU around them; spare: what is left after a margin of "
         f"max({margin.fraction:.0%} of the GPU, {gib(margin.floor_bytes, 1)} GiB)",
     )
-    for column in ("#", "GPUs", "type", "dp", "tp", "pp", "mb", "ZeRO", "recompute", "peak GiB", "of GiB", "spare GiB", "step s"):
+    columns = (
+        "#",
+        "GPUs",
+        "type",
+        "dp",
+        "tp",
+        "pp",
+        "mb",
+        "ZeRO",
+        "recompute",
+        "peak GiB",
+        "of GiB",
+        "spare GiB",
+        "step s",
+        "total h",
+        "cost",
+    )
+    for column in columns:
         table.add_column(column, justify="left" if column in ("type", "recompute") else "right")
     for i, c in enumerate(ranked, 1):
         p = c.plan
@@ -86,6 +121,8 @@ def plan(
                 ),
             ),
             f"{c.step_time_s:.4g}",
+            f"{c.total_time_s / 3600:.3g}",
+            "-" if c.cost is None else f"{c.cost:.4g}",
         )
     console = Console()
     console.print(table)

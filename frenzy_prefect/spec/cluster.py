@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt, model_validator
 
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.spec.catalog import GPU_CATALOG
@@ -36,6 +36,9 @@ class ClusterSpec(BaseModel):
     memory_margin: MemoryMargin = Field(
         default_factory=MemoryMargin, description="GPU memory every plan leaves unused beyond its predicted peak."
     )
+    prices: dict[str, NonNegativeFloat] = Field(
+        default_factory=dict, description="What a GPU-hour of each type costs (any currency, e.g. USD): plans then show their cost."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ClusterSpec:
@@ -44,6 +47,9 @@ class ClusterSpec(BaseModel):
         if dupes:
             raise ValueError(f"node names must be unique; repeated: {', '.join(dupes)}")
         known = self.known_gpu_types()
+        unknown = sorted(set(self.prices) - known.keys())
+        if unknown:
+            raise ValueError(f"prices name unknown GPU types {', '.join(unknown)}; known types: {', '.join(sorted(known))}")
         for node in self.nodes:
             if node.gpu_type not in known:
                 raise ValueError(

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, computed_field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    computed_field,
+    model_validator,
+)
 
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.spec.cluster import ClusterSpec
@@ -96,6 +106,8 @@ class PlanCandidate(BaseModel):
     gpu_memory_bytes: PositiveInt
     step_time_s: PositiveFloat
     margin_bytes: NonNegativeInt = Field(default=0, description="Memory kept free beyond the predicted peak (spec.gpu.MemoryMargin).")
+    total_time_s: PositiveFloat | None = Field(default=None, description="Predicted time of all the request's steps.")
+    cost: NonNegativeFloat | None = Field(default=None, description="Predicted cost of that time on its GPUs (the cluster's prices).")
 
     @computed_field  # type: ignore[prop-decorator]
     @property

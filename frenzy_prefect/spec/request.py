@@ -56,6 +56,7 @@ class PlanPin(BaseModel):
 
 
 Resilience = Literal["restart", "recycle"]
+Objective = Literal["time", "cost"]
 
 
 class TrainingRequest(BaseModel):
@@ -125,6 +126,14 @@ class TrainingRequest(BaseModel):
             "pipelines, without a restart, and a replacement rank rejoins at an iteration boundary; needs a ZeRO-0 "
             "pipeline plan with dp >= 2 and pp >= 2."
         ),
+    )
+    objective: Objective = Field(
+        default="time",
+        description="Which fitting plan to run: the fastest ('time') or the cheapest ('cost': needs prices in the cluster).",
+    )
+    deadline_hours: PositiveFloat | None = Field(
+        default=None,
+        description="Only plans predicted to finish all steps within this many hours (with objective 'cost': the cheapest such).",
     )
     max_replacements: NonNegativeInt = Field(
         default=3,

@@ -78,14 +78,15 @@ class Progress:
 
 def train(job: TrainingJob, ctx: DistributedContext, log: Callable[[str], None] = print, notify: Notify | None = None) -> TrainingResult:
     """Run this rank's share of ``job``, from its latest complete checkpoint if it has one; every
-    rank returns the same result, rank 0 writes it. ``notify(event, details)`` hears of failures
-    survived (resilience "recycle")."""
+    rank returns the same result, rank 0 writes it. ``notify(event, details)`` hears, from the
+    process group's rank 0, of the run's start, every step, each checkpoint and its completion,
+    and from every rank of failures survived (resilience "recycle")."""
     request, plan = job.request, job.allocation.plan
     if ctx.world_size != plan.gpus:
         raise RuntimeError(f"the plan needs {plan.gpus} ranks but this job has {ctx.world_size}")
-    started = time.perf_counter()
+    started, notify = time.perf_counter(), notify or (lambda event, details: None)
     if request.resilience == "recycle":
-        return _train_through_failures(job, ctx, log, notify or (lambda event, details: None), started)
+        return _train_through_failures(job, ctx, log, notify, started)
     ctx.init_process_group()
     try:
         engine = _engine(job, ctx)
@@ -104,7 +105,7 @@ def train(job: TrainingJob, ctx: DistributedContext, log: Callable[[str], None] 
 
         first = progress.next_step
         with closing(together(ctx, lambda: TokenWindows(job.dataset, request.seq_len))) as data:
-            timings = _run_steps(job, ctx, engine, data, progress, run_step, log)
+            timings = _run_steps(job, ctx, engine, data, progress, run_step, log, notify)
         return _result(job, ctx, progress, first, timings, started)
     finally:
         dist.destroy_process_group()
@@ -151,7 +152,7 @@ def _train_through_failures(
 
         first = progress.next_step
         with closing(data):
-            timings = _run_steps(job, ctx, engine, data, progress, run_step, log, steps.survive)
+            timings = _run_steps(job, ctx, engine, data, progress, run_step, log, notify, steps.survive)
         result = _result(job, ctx, progress, first, timings, started)
         if ctx.rank == steps.generation.members[0]:
             store.set("finished", result.model_dump_json())  # replacements still waiting return it
@@ -234,6 +235,7 @@ def _run_steps(
     progress: Progress,
     run_step: StepRunner,
     log: Callable[[str], None],
+    notify: Notify,
     survive: Survive = lambda action, position, skipped: action(),
 ) -> dict[str, list[float]]:
     """The steps from ``progress`` on, with periodic checkpoints, each step's loss (averaged over
@@ -243,14 +245,21 @@ def _run_steps(
     request = job.request
     tokens_per_step = request.global_batch * request.seq_len
     timings: dict[str, list[float]] = {"step": [], "checkpoint": []}
+    reports = dist.get_rank() == 0  # (notify: rank 0 speaks for the run)
+    if reports:
+        notify(
+            "started", {"step": progress.next_step, "steps": request.steps, "ranks": ctx.world_size, "plan": job.allocation.plan.label()}
+        )
     for step in range(progress.next_step, request.steps + 1):
         began = time.perf_counter()
         progress.losses.append(run_step(step, data, progress))
         progress.next_step = step + 1
         timings["step"].append(time.perf_counter() - began)
+        rate = len(timings["step"]) * tokens_per_step / sum(timings["step"])  # training only, not checkpoints
         if len(timings["step"]) == 1 or step % request.log_every == 0 or step == request.steps:
-            rate = len(timings["step"]) * tokens_per_step / sum(timings["step"])  # training only, not checkpoints
             log(f"step {step}/{request.steps} loss {progress.losses[-1]:.4f} ({rate:,.0f} tokens/s over {dist.get_world_size()} ranks)")
+        if reports:
+            notify("step", {"step": step, "steps": request.steps, "loss": progress.losses[-1], "tokens_per_s": rate})
         if step - progress.last_saved >= progress.every or step == request.steps:
             final, save_s, interval = survive(
                 lambda: _checkpoint(job, ctx, engine, step, progress.losses, timings),  # noqa: B023 (called at once)
@@ -262,6 +271,8 @@ def _run_steps(
                 log(f"checkpointing every {interval} steps (a checkpoint takes {save_s:.2f} s)")
             progress.every, progress.last_saved, progress.final = interval or progress.every, step, final
             timings["checkpoint"].append(save_s)
+            if reports:
+                notify("checkpointed", {"step": step, "checkpoint": final, "seconds": save_s})
     return timings
 
 
