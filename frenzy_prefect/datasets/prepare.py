@@ -28,7 +28,10 @@ from frenzy_prefect.spec.dataset import MANIFEST, Manifest, Preparation, ShardEn
 from frenzy_prefect.storage import exists, write_bytes
 
 VERSION = 1  # of the shard layout: part of the content hash, so a change never reuses old shards
-ENCODE_BATCH = 256  # pieces of text tokenised per call (in parallel, by the tokenizers library)
+# Pieces of text tokenised per call (in parallel, by the tokenizers library), and at most about
+# this much text held at once (a plain-text file's pieces are up to 1 MiB each).
+ENCODE_BATCH = 256
+ENCODE_CHARS = 2**24
 
 
 class Prepared(BaseModel):
@@ -113,11 +116,13 @@ def _all_pieces(listing: Listing, options: Preparation) -> Iterator[tuple[str, b
 def _encoded(tokenizer: Tokenizer, texts: Iterator[tuple[str, bool]]) -> Iterator[tuple[np.ndarray, bool]]:
     """Each piece's ids (no special tokens added), tokenised a batch at a time."""
     batch: list[tuple[str, bool]] = []
+    chars = 0
     for piece in texts:
         batch.append(piece)
-        if len(batch) == ENCODE_BATCH:
+        chars += len(piece[0])
+        if len(batch) == ENCODE_BATCH or chars >= ENCODE_CHARS:
             yield from _encode(tokenizer, batch)
-            batch = []
+            batch, chars = [], 0
     yield from _encode(tokenizer, batch)
 
 
