@@ -3,18 +3,22 @@
 
 from __future__ import annotations
 
-from prefect import flow
+from prefect import flow, pause_flow_run
 from prefect.context import FlowRunContext
+from prefect.input import RunInput
 from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
+from prefect.states import Cancelled, State
+from pydantic import Field
 
 from frenzy_prefect.cancellation import sigterm_cancels_when_cancelling
 from frenzy_prefect.datasets.prepare import Prepared, for_model
+from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.profiling.dataset import is_token_data
 from frenzy_prefect.reporting import TrainingReporter
 from frenzy_prefect.restarts import failures_restart_while_torchrun_can, restarts_left
 from frenzy_prefect.spec.dataset import Preparation
-from frenzy_prefect.spec.plan import TrainingJob
+from frenzy_prefect.spec.plan import PlanCandidate, TrainingJob
 from frenzy_prefect.spec.request import TrainingRequest
 from frenzy_prefect.spec.result import TrainingReport, TrainingResult
 from frenzy_prefect.tasks import (
@@ -41,14 +45,35 @@ def default_output(dataset: str, run_name: str) -> str:
     return f"{folder}/frenzy-runs/{run_name}"
 
 
+class PlanChoice(RunInput):
+    """What a person answers when train-llm pauses for approval (`approve`)."""
+
+    run: bool = Field(default=True, description="Run a plan (false: decline; the run ends Cancelled).")
+    plan: int = Field(default=1, ge=1, description="Which plan: its # in the memory-estimates artifact (1: the first, the allocator's).")
+
+
+def chosen_first(candidates: list[PlanCandidate], rank: int) -> list[PlanCandidate]:
+    """The candidates with the one ranked ``rank`` (1-based) first, if it fits."""
+    if rank > len(candidates) or not candidates[rank - 1].fits:
+        fitting = sum(c.fits for c in candidates)
+        raise FrenzyError(f"plan #{rank} cannot run: choose one of the {fitting} plans that fit, #1 to #{fitting}")
+    return [candidates[rank - 1], *candidates[: rank - 1], *candidates[rank:]]
+
+
 @flow(name="train-llm")
 def train_llm(
     request: TrainingRequest,
     cluster: str = "local-hetero",
     training_deployment: str = TRAINING_DEPLOYMENT,
-) -> TrainingReport:
+    approve: bool = False,
+    plan_only: bool = False,
+    approval_timeout_s: int = 3600,
+) -> TrainingReport | State | None:
     """Train ``request.model`` on ``request.dataset``: prepare it if it is raw text, profile,
-    estimate memory, allocate GPUs, train on them, report. ``cluster`` names a FrenzyCluster block."""
+    estimate memory, allocate GPUs, train on them, report. ``cluster`` names a FrenzyCluster
+    block. The ranked plans (predicted memory, time, cost) are the `memory-estimates` artifact;
+    ``plan_only`` stops there, and ``approve`` pauses there for a person to accept the first,
+    pick another or decline, before any GPU is asked for."""
     model = profile_model(request)
     data = request.dataset
     if request.prepare is not None or not is_token_data(data):
@@ -56,6 +81,13 @@ def train_llm(
     dataset = profile_dataset(request, model, data)
     state = profile_cluster(cluster)
     candidates = estimate_memory(model, request, state)
+    if plan_only:
+        return None
+    if approve:
+        choice = pause_flow_run(wait_for_input=PlanChoice, timeout=approval_timeout_s)
+        if not choice.run:
+            return Cancelled(message="the plans were not approved")
+        candidates = chosen_first(candidates, choice.plan)
     allocation = allocate(candidates, state)
     job = TrainingJob(
         request=request,

@@ -118,6 +118,7 @@ def estimate_memory(model: ModelSpec, request: TrainingRequest, state: ClusterSt
     fitting = sum(c.fits for c in candidates)
     rows = [
         {
+            "#": str(rank),
             "gpu": c.gpu_type,
             "gpus": str(c.plan.gpus),
             "plan": c.plan.label(),
@@ -127,8 +128,10 @@ def estimate_memory(model: ModelSpec, request: TrainingRequest, state: ClusterSt
             "spare GiB": gib(c.spare_bytes),
             "fits": "yes" if c.fits else "no",
             "step s (predicted)": f"{c.step_time_s:.4g}",
+            "total h (predicted)": f"{c.total_time_s / 3600:.3g}",
+            "cost (predicted)": "-" if c.cost is None else f"{c.cost:.4g}",
         }
-        for c in candidates[:ARTIFACT_ROWS]
+        for rank, c in enumerate(candidates[:ARTIFACT_ROWS], 1)
     ]
     create_table_artifact(
         key="memory-estimates",
