@@ -1,4 +1,5 @@
-"""The flows users deploy: `train-llm` (the pipeline step) and `distributed-train` (its ranks)."""
+"""The flows users deploy: `train-llm` (the pipeline step), `distributed-train` (its ranks) and
+`prepare-dataset` (raw text to token shards, which `train-llm` also does first when given raw text)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,25 @@ from pydantic import Field
 
 from frenzy_prefect.blocks import cluster_block_name
 from frenzy_prefect.cancellation import sigterm_cancels_when_cancelling
+from frenzy_prefect.datasets.prepare import Prepared, for_model
 from frenzy_prefect.errors import FrenzyError
+from frenzy_prefect.profiling.dataset import is_token_data
 from frenzy_prefect.reporting import TrainingReporter
 from frenzy_prefect.restarts import failures_restart_while_torchrun_can, restarts_left
+from frenzy_prefect.spec.dataset import Preparation
 from frenzy_prefect.spec.plan import PlanCandidate, TrainingJob
 from frenzy_prefect.spec.request import TrainingRequest
 from frenzy_prefect.spec.result import TrainingReport, TrainingResult
-from frenzy_prefect.tasks import allocate, estimate_memory, profile_cluster, profile_dataset, profile_model, report, train
+from frenzy_prefect.tasks import (
+    allocate,
+    estimate_memory,
+    prepare_dataset,
+    profile_cluster,
+    profile_dataset,
+    profile_model,
+    report,
+    train,
+)
 from frenzy_prefect.training.distributed import DistributedContext
 from frenzy_prefect.training.supervisor import supervise
 from frenzy_prefect.training.trainer import train as train_ranks
@@ -27,7 +40,8 @@ TRAINING_DEPLOYMENT = "distributed-train/frenzy"  # deployments named otherwise 
 
 
 def default_output(dataset: str, run_name: str) -> str:
-    """Beside the dataset: <dataset dir>/frenzy-runs/<flow run name>."""
+    """Beside the dataset: <dataset dir>/frenzy-runs/<flow run name> (a raw prefix's parent, not inside it)."""
+    dataset = dataset.rstrip("/")
     folder = dataset.rsplit("/", 1)[0] if "/" in dataset else "."
     return f"{folder}/frenzy-runs/{run_name}"
 
@@ -56,14 +70,18 @@ def train_llm(
     plan_only: bool = False,
     approval_timeout_s: int = 3600,
 ) -> TrainingReport | State | None:
-    """Train ``request.model`` on ``request.dataset``: profile, estimate memory, allocate GPUs,
-    train on them, report. ``cluster`` names a FrenzyCluster block; default: the `cluster`
-    variable of the frenzy work pool the run is on. The ranked plans (predicted memory, time,
-    cost) are the `memory-estimates` artifact; ``plan_only`` stops there, and ``approve`` pauses
-    there for a person to accept the first, pick another or decline, before any GPU is asked for."""
+    """Train ``request.model`` on ``request.dataset``: prepare it if it is raw text, profile,
+    estimate memory, allocate GPUs, train on them, report. ``cluster`` names a FrenzyCluster
+    block; default: the `cluster` variable of the frenzy work pool the run is on. The ranked
+    plans (predicted memory, time, cost) are the `memory-estimates` artifact; ``plan_only`` stops
+    there, and ``approve`` pauses there for a person to accept the first, pick another or
+    decline, before any GPU is asked for."""
     cluster = cluster_block_name(cluster)  # before any work: a run that names no cluster fails at once
     model = profile_model(request)
-    dataset = profile_dataset(request, model)
+    data = request.dataset
+    if request.prepare is not None or not is_token_data(data):
+        data = prepare_dataset(data, for_model(request.prepare, model.vocab_size)).manifest_uri
+    dataset = profile_dataset(request, model, data)
     state = profile_cluster(cluster)
     candidates = estimate_memory(model, request, state)
     if plan_only:
@@ -85,6 +103,14 @@ def train_llm(
     )
     result, training_run = train(job, training_deployment)
     return report(job, result, training_run)
+
+
+@flow(name="prepare-dataset")
+def prepare_dataset_flow(source: str, options: Preparation | None = None) -> Prepared:
+    """Tokenise the raw text under ``source`` (*.txt, *.jsonl, *.parquet) into token shards and a
+    manifest, once per content; ``train-llm`` trains on the manifest's URI. ``options`` names the
+    tokenizer, or the vocab_size of a BPE trained on the data."""
+    return prepare_dataset(source, options or Preparation())
 
 
 @flow(name="distributed-train")

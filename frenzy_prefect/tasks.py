@@ -14,13 +14,15 @@ from prefect.utilities.asyncutils import run_coro_as_sync
 from frenzy_prefect import allocator
 from frenzy_prefect.blocks import FrenzyCluster, save_node
 from frenzy_prefect.charts import loss_curve_png
+from frenzy_prefect.datasets.prepare import Prepared
+from frenzy_prefect.datasets.prepare import prepare as _prepare
 from frenzy_prefect.errors import ClusterBusy, FrenzyError
 from frenzy_prefect.profiling.dataset import profile_dataset as _profile_dataset
 from frenzy_prefect.profiling.model import resolve_model
 from frenzy_prefect.profiling.nodes import node_of, read_gpus
 from frenzy_prefect.reservations import GpuReservations
 from frenzy_prefect.spec.cluster import ClusterSpec, ClusterState
-from frenzy_prefect.spec.dataset import DatasetInfo
+from frenzy_prefect.spec.dataset import DatasetInfo, Preparation
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import Allocation, MemoryBreakdown, PlanCandidate, TrainingJob
 from frenzy_prefect.spec.request import TrainingRequest
@@ -50,8 +52,28 @@ def profile_model(request: TrainingRequest) -> ModelSpec:
 
 
 @task
-def profile_dataset(request: TrainingRequest, model: ModelSpec) -> DatasetInfo:
-    info = _profile_dataset(request.dataset, request.seq_len, model.vocab_size)
+def prepare_dataset(source: str, options: Preparation) -> Prepared:
+    """Raw text under ``source`` -> token shards and a manifest, or the ones an earlier run left for the same content."""
+    prepared = _prepare(source, options)
+    m = prepared.manifest
+    what = f"{m.documents:,} documents, {m.tokens:,} tokens in {len(m.shards)} shard(s) ({m.format}, vocabulary {m.vocab_size:,})"
+    get_run_logger().info(f"{'Found' if prepared.cached else 'Prepared'} {source} as {what} at {prepared.manifest_uri}")
+    create_markdown_artifact(
+        key="dataset-preparation",
+        markdown=(
+            f"## Dataset {'found prepared' if prepared.cached else 'prepared'}\n\n"
+            f"- source: `{source}` ({len(m.files)} file(s))\n- content hash: `{m.content_hash}`\n- {what}\n"
+            f"- manifest: `{prepared.manifest_uri}`\n"
+        ),
+        description="The token shards training reads",
+    )
+    return prepared
+
+
+@task
+def profile_dataset(request: TrainingRequest, model: ModelSpec, uri: str | None = None) -> DatasetInfo:
+    """The token data at ``uri`` (default: the request's dataset), checked against the request and model."""
+    info = _profile_dataset(uri or request.dataset, request.seq_len, model.vocab_size)
     get_run_logger().info(f"Dataset {info.uri}: {info.tokens:,} tokens ({info.format})")
     return info
 

@@ -18,6 +18,7 @@ LAYERS: list[set[str]] = [
     {"storage"},  # object storage: below the profilers and the trainer that read and write it
     {"spec"},
     {"profiling"},
+    {"datasets"},  # raw text to token shards (it reads manifests as profiling does)
     {"memory"},
     {"allocator"},
     {"pipeline"},  # schedules as data (torch-free): the engine executes them, ReCycle plans them
@@ -37,7 +38,7 @@ FORBIDDEN = [("training", "memory")]
 
 
 # Packages that must run without torch or Prefect installed, with everything they import.
-PURE = ["pipeline"]
+PURE = ["pipeline", "datasets"]
 HEAVY = ("torch", "prefect", "deepspeed")
 
 

@@ -21,7 +21,7 @@ def test_the_code_is_laid_out_as_ruff_format_lays_it_out():
 
 
 def test_the_pure_core_imports_no_prefect():
-    core = ["spec", "profiling", "memory", "allocator", "pipeline", "training", "launch", "scheduling", "recycle"]
+    core = ["spec", "profiling", "datasets", "memory", "allocator", "pipeline", "training", "launch", "scheduling", "recycle"]
     modules = sorted(
         ".".join(p.relative_to(ROOT).with_suffix("").parts)
         for package in core

@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
+from frenzy_prefect.spec.dataset import Preparation
+
 Precision = Literal["fp32", "bf16", "fp16"]
 # flash: fused SDPA that keeps only the log-sum-exp for its backward; eager: scores and softmax
 # materialised (and their dropout mask), as HF "eager" attention does.
@@ -67,7 +69,17 @@ class TrainingRequest(BaseModel):
         description=("A preset name (see `frenzy presets`), a path or URI of an HF-style config.json, or the config itself as a mapping."),
     )
     dataset: str = Field(
-        description="URI of the tokenised dataset: *.txt (UTF-8 bytes as tokens) or *.bin (uint16 token ids).",
+        description=(
+            "URI of the dataset: *.txt (UTF-8 bytes as tokens), *.bin (uint16 token ids), a prepared dataset (its manifest.json "
+            "or folder), or raw text to prepare first: a prefix (or file) of *.txt, *.jsonl and *.parquet files."
+        ),
+    )
+    prepare: Preparation | None = Field(
+        default=None,
+        description=(
+            "How to prepare raw text into token shards (tokenizer, text_field, ...). A dataset that is not token data is prepared "
+            "with the defaults (a byte-level BPE of the model's vocab_size trained on it); set this to prepare a *.txt file too."
+        ),
     )
     global_batch: PositiveInt = Field(description="Sequences per optimizer step, over all replicas.")
     seq_len: PositiveInt = Field(description="Tokens per sequence.")
