@@ -21,6 +21,10 @@ class DatasetError(FrenzyError):
     """A dataset URI that does not exist, cannot be read or has the wrong format."""
 
 
+class NoRawFiles(DatasetError):
+    """A raw dataset prefix holds no files (yet)."""
+
+
 class StorageUnreachable(FrenzyError):
     """The object store (S3 endpoint) cannot be reached."""
 

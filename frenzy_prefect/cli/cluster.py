@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
+import yaml
 
 from frenzy_prefect.cli.common import echo_json
 from frenzy_prefect.errors import FrenzyError
@@ -43,15 +44,41 @@ def discover(
 def deploy(
     pool: str = typer.Option("frenzy", "--pool", help="A work pool of type frenzy."),
     name: str = typer.Option("frenzy", "--name", help="Deployment name of both flows."),
+    on_new_data: str | None = typer.Option(
+        None, "--on-new-data", help="Also train on every new version of the raw dataset under this prefix (needs --request)."
+    ),
+    request: Path | None = typer.Option(None, "--request", help="With --on-new-data: a YAML/JSON TrainingRequest, its dataset left out."),
+    settle_s: float = typer.Option(60.0, "--settle-s", min=0, help="With --on-new-data: seconds a new version's files must stand still."),
+    every_s: float = typer.Option(60.0, "--every-s", min=1, help="With --on-new-data: seconds between looks at the prefix."),
 ) -> None:
-    """Create the train-llm/NAME and distributed-train/NAME deployments on POOL."""
-    from frenzy_prefect.deployments import deploy_flows
+    """Create the train-llm/NAME and distributed-train/NAME deployments on POOL (and, with
+    --on-new-data, a watch-datasets deployment and a train-llm one its events trigger)."""
+    from frenzy_prefect.deployments import deploy_flows, deploy_on_new_data
+    from frenzy_prefect.spec.request import TrainingRequest
 
+    if (on_new_data is None) != (request is None):
+        raise FrenzyError("--on-new-data and --request go together: the prefix to watch and what to train on each new version")
+    fields = {**_request_fields(request), "dataset": on_new_data} if request else {}
+    if fields:
+        TrainingRequest.model_validate(fields)  # refused now, not at the first landing
     try:
         deploy_flows(pool, name)
+        typer.echo(f"deployed train-llm/{name} and distributed-train/{name} to work pool {pool!r}")
+        if on_new_data is not None:
+            watcher, trainer = deploy_on_new_data(pool, on_new_data, fields, name, settle_s, every_s)
+            typer.echo(f"deployed {watcher} (every {every_s:g} s) and {trainer}, run on each frenzy.dataset.landed of {on_new_data}")
     except ValueError as exc:
         raise FrenzyError(str(exc)) from None
-    typer.echo(f"deployed train-llm/{name} and distributed-train/{name} to work pool {pool!r}")
+
+
+def _request_fields(path: Path) -> dict:
+    try:
+        fields = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise FrenzyError(f"cannot read request file {path}: {exc}".replace("\n", " ")) from None
+    if not isinstance(fields, dict):
+        raise FrenzyError(f"request file {path} must be a mapping of TrainingRequest fields (model, global_batch, seq_len, steps, ...)")
+    return fields
 
 
 def cluster_save(

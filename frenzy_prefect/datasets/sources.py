@@ -8,7 +8,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from frenzy_prefect.errors import DatasetError
+from frenzy_prefect.errors import DatasetError, NoRawFiles
 from frenzy_prefect.spec.dataset import SourceFile
 from frenzy_prefect.storage import filesystem, open_uri, reaching
 
@@ -75,7 +75,7 @@ def list_sources(source: str) -> Listing:
             source_format(f"{root}/{rel}")
             files.append(SourceFile(path=rel, size=int(found[name]["size"]), version=_version(fs, name, found[name])))
     if not files:
-        raise DatasetError(f"raw dataset {source} holds no files; accepted: " + ", ".join(f"*{s}" for s in FORMATS))
+        raise NoRawFiles(f"raw dataset {source} holds no files; accepted: " + ", ".join(f"*{s}" for s in FORMATS))
     return Listing(root=root, files=tuple(files))
 
 
