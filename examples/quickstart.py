@@ -166,9 +166,13 @@ def main() -> int:
         print(f"Chosen plan:    {a.plan.gpus} x {a.gpu_type}, {a.plan.label()}")
         print(f"Placement:      {placed}")
         print(f"Predicted peak: {gib(a.memory.peak_bytes)} GiB per GPU (of {gib(a.gpu_memory_bytes, 1)} GiB)")
+        cost = "" if a.cost is None else f", cost {a.cost:.4f} at the cluster file's prices"
+        print(f"Predicted time: {a.step_time_s:.3g} s a step on the modelled GPUs, {a.total_time_s:.3g} s in all{cost}")
         print(f"Loss:           {report.loss_start:.4f} at step 1 -> {report.loss_end:.4f} at step {report.result.steps}")
         print(f"Throughput:     {report.result.tokens_per_s:,.0f} tokens/s on {report.result.world_size} ranks ({report.result.backend})")
         print(f"Checkpoint:     {report.result.checkpoint}")
+        print(f"Loss curve:     {default_output(DATASET, run.name)}/loss-curve.png (and the run's loss-curve-picture artifact)")
+        print(f"Events:         {', '.join(training_events(stack, report.training_flow_run))}")
         print(f"Wall time:      {time.perf_counter() - started:.1f} s")
         if args.keep_running:
             print(f"\nServices stay up; browse {stack.ui_url}. Ctrl-C (or SIGTERM, SIGHUP) stops them.", flush=True)
@@ -180,6 +184,16 @@ def main() -> int:
         else:
             print(f"\nTo browse the runs later: PREFECT_HOME={args.home / 'prefect'} prefect server start, then open the UI.")
     return 0
+
+
+def training_events(stack, training_run: str) -> list[str]:
+    """The frenzy.training.* events of the training flow run, oldest first (the UI's Event Feed)."""
+    from prefect.client.orchestration import get_client
+
+    about = {"event": {"prefix": ["frenzy.training."]}, "any_resource": {"id": [f"prefect.flow-run.{training_run}"]}}
+    with stack.client_settings(), get_client(sync_client=True) as client:
+        events = client._client.post("/events/filter", json={"filter": about}).json()["events"]
+    return [e["event"].removeprefix("frenzy.training.") for e in sorted(events, key=lambda e: e["occurred"])]
 
 
 if __name__ == "__main__":

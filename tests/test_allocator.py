@@ -199,7 +199,7 @@ def test_a_pinned_part_of_the_plan_is_kept_and_the_allocator_chooses_the_rest():
         allocator.candidate_plans(PRESETS["gpt-nano"], impossible, CLUSTER)
 
 
-PRICED = CLUSTER.model_copy(update={"prices": {"A10": 1.0, "T4": 0.2}})
+PRICED = CLUSTER.model_copy(update={"prices": {"A10": 1.0, "T4": 0.2}})  # the T4 much cheaper than the example's
 
 
 def _priced(**request):
@@ -230,5 +230,7 @@ def test_a_deadline_no_plan_meets_and_a_cost_objective_without_prices_say_what_t
         NoFeasiblePlan, match=r"no plan on cluster 'local-hetero' is predicted to finish 1000 steps within 1e-06 h: the fastest"
     ):
         _priced(steps=1000, deadline_hours=1e-6)
-    with pytest.raises(NoFeasiblePlan, match=r"objective 'cost' needs the price of a GPU-hour of every type .* add prices for A10, T4"):
-        _allocate(objective="cost")
+    unpriced = CLUSTER.model_copy(update={"prices": {"A10": 1.0}})
+    req = TrainingRequest(model="gpt-nano", dataset="s3://b/d.txt", global_batch=32, seq_len=128, steps=1, objective="cost")
+    with pytest.raises(NoFeasiblePlan, match=r"objective 'cost' needs the price of a GPU-hour of every type .* add prices for T4"):
+        allocator.candidate_plans(PRESETS["gpt-nano"], req, unpriced)
