@@ -187,13 +187,19 @@ def main() -> int:
 
 
 def training_events(stack, training_run: str) -> list[str]:
-    """The frenzy.training.* events of the training flow run, oldest first (the UI's Event Feed)."""
+    """The frenzy.training.* events of the training flow run, oldest first (the UI's Event Feed),
+    once the last has arrived (the server stores events a moment after they are sent)."""
     from prefect.client.orchestration import get_client
 
     about = {"event": {"prefix": ["frenzy.training."]}, "any_resource": {"id": [f"prefect.flow-run.{training_run}"]}}
+    deadline = time.monotonic() + 15
     with stack.client_settings(), get_client(sync_client=True) as client:
-        events = client._client.post("/events/filter", json={"filter": about}).json()["events"]
-    return [e["event"].removeprefix("frenzy.training.") for e in sorted(events, key=lambda e: e["occurred"])]
+        while True:
+            events = client._client.post("/events/filter", json={"filter": about}).json()["events"]
+            names = [e["event"].removeprefix("frenzy.training.") for e in sorted(events, key=lambda e: e["occurred"])]
+            if names[-1:] in (["completed"], ["failed"]) or time.monotonic() > deadline:
+                return names
+            time.sleep(0.5)
 
 
 if __name__ == "__main__":

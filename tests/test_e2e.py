@@ -124,7 +124,12 @@ def test_the_training_run_reports_progress_the_live_loss_and_its_events_while_it
     with stack.client_settings(), get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[training.id])))
         about = {"event": {"prefix": ["frenzy.training."]}, "any_resource": {"id": [f"prefect.flow-run.{training.id}"]}}
-        events = client._client.post("/events/filter", json={"filter": about}).json()["events"]
+        deadline = time.monotonic() + 30  # the server stores events a moment after they are sent
+        while not any((events := client._client.post("/events/filter", json={"filter": about}).json()["events"])) or not any(
+            e["event"] == "frenzy.training.completed" for e in events
+        ):
+            assert time.monotonic() < deadline, [e["event"] for e in events]
+            time.sleep(0.5)
     latest = {a.key: a for a in sorted(artifacts, key=lambda a: a.created)}  # the table is re-published as it grows
     progress, table = latest["training-progress"], latest["live-loss"]
     assert progress.type == "progress" and float(progress.data) == 100.0

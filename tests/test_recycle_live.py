@@ -172,6 +172,7 @@ def test_through_the_pool_a_train_llm_run_stays_running_through_a_killed_rank_an
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["failures-survived"])))
     assert run.state.is_completed(), run.state
     assert states[-1] == "COMPLETED" and not {"FAILED", "CRASHED"} & set(states), states
-    assert {e["event"] for e in events} == {"frenzy.training.rank-failed", "frenzy.training.recovered", "frenzy.training.rejoined"}
-    assert all(e["payload"]["ranks"] == [3] for e in events), events
+    survived = [e for e in events if e["event"] in {"frenzy.training.rank-failed", "frenzy.training.recovered", "frenzy.training.rejoined"}]
+    assert {e["event"] for e in survived} == {"frenzy.training.rank-failed", "frenzy.training.recovered", "frenzy.training.rejoined"}
+    assert all(e["payload"]["ranks"] == [3] for e in survived), survived
     assert any(a.flow_run_id == run_id and "rank(s) 3 failed" in str(a.data) for a in artifacts), artifacts
