@@ -118,18 +118,26 @@ def test_a_request_is_trained_on_the_chosen_gpus_through_the_worker(stack, runs,
     assert progress[0].startswith("step 1/30 loss") and progress[-1].startswith("step 30/30 loss")
 
 
+def training_events(stack, training_run: UUID, until: str, timeout_s: float = 30) -> list[dict]:
+    """The frenzy.training.* events about a training flow run, once ``until`` is among them (the
+    server stores events a moment after they are sent)."""
+    about = {"event": {"prefix": ["frenzy.training."]}, "any_resource": {"id": [f"prefect.flow-run.{training_run}"]}}
+    deadline = time.monotonic() + timeout_s
+    with stack.client_settings(), get_client(sync_client=True) as client:
+        while True:
+            events = client._client.post("/events/filter", json={"filter": about}).json()["events"]
+            if any(e["event"] == until for e in events):
+                return events
+            assert time.monotonic() < deadline, [e["event"] for e in events]
+            time.sleep(0.5)
+
+
 @pytest.mark.pipelines
 def test_the_training_run_reports_progress_the_live_loss_and_its_events_while_it_trains(stack, runs):
     (training,) = children(stack, runs["good"])
     with stack.client_settings(), get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[training.id])))
-        about = {"event": {"prefix": ["frenzy.training."]}, "any_resource": {"id": [f"prefect.flow-run.{training.id}"]}}
-        deadline = time.monotonic() + 30  # the server stores events a moment after they are sent
-        while not any((events := client._client.post("/events/filter", json={"filter": about}).json()["events"])) or not any(
-            e["event"] == "frenzy.training.completed" for e in events
-        ):
-            assert time.monotonic() < deadline, [e["event"] for e in events]
-            time.sleep(0.5)
+    events = training_events(stack, training.id, until="frenzy.training.completed")
     latest = {a.key: a for a in sorted(artifacts, key=lambda a: a.created)}  # the table is re-published as it grows
     progress, table = latest["training-progress"], latest["live-loss"]
     assert progress.type == "progress" and float(progress.data) == 100.0

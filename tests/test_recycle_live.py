@@ -151,7 +151,7 @@ def test_through_the_pool_a_train_llm_run_stays_running_through_a_killed_rank_an
 
     from frenzy_prefect.launch.local import host_and_pids
 
-    from .test_e2e import GOOD, training_after_a_checkpoint, wait_final
+    from .test_e2e import GOOD, training_after_a_checkpoint, training_events, wait_final
     from .test_worker import rank_pid
 
     stack.run_cli("frenzy_prefect.cli", "cluster", "save", str(ROOT / "blocks" / "local-recycle.yaml"))
@@ -171,6 +171,7 @@ def test_through_the_pool_a_train_llm_run_stays_running_through_a_killed_rank_an
         ).json()["events"]
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["failures-survived"])))
     assert run.state.is_completed(), run.state
+    events = training_events(stack, training, until="frenzy.training.completed")
     assert states[-1] == "COMPLETED" and not {"FAILED", "CRASHED"} & set(states), states
     survived = [e for e in events if e["event"] in {"frenzy.training.rank-failed", "frenzy.training.recovered", "frenzy.training.rejoined"}]
     assert {e["event"] for e in survived} == {"frenzy.training.rank-failed", "frenzy.training.recovered", "frenzy.training.rejoined"}
