@@ -165,10 +165,6 @@ def test_through_the_pool_a_train_llm_run_stays_running_through_a_killed_rank_an
         trainer.send_signal(signal.SIGKILL)
         run = wait_final(run_id)
         states = [s.type.value for s in client.read_flow_run_states(training)]
-        events = client._client.post(
-            "/events/filter",
-            json={"filter": {"event": {"prefix": ["frenzy.training."]}, "any_resource": {"id": [f"prefect.flow-run.{training}"]}}},
-        ).json()["events"]
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["failures-survived"])))
     assert run.state.is_completed(), run.state
     events = training_events(stack, training, until="frenzy.training.completed")
