@@ -16,7 +16,7 @@ of their stage, W's deferred into bubbles; ``recycle.cache``), looked up in mill
   schedule returns from the next step.
 - **A stage with no live replica** cannot be re-routed: the survivors stop with
   NeedsCheckpointRestart and torchrun restarts every rank from the last checkpoint
-  (``max_restarts``). Checkpoints are written only while no worker is missing.
+  (``max_restarts``). Checkpoints are written by whoever is alive (every stage has a replica).
 
 Only ZeRO-0 pipelines (dp >= 2, pp >= 2, tp = 1) keep a copy of every stage on other ranks;
 ``spec.layout.check_resilience`` refuses the rest (the allocator chooses among the others).
@@ -104,8 +104,7 @@ class RecycleSteps:
                 cause = exc
                 if position[1] == STEP:
                     self.generation.abort(position[0])
-            # The traceback's frames hold the interrupted transfers, and they the old groups.
-            resume = self._recover(position, cause.with_traceback(None))
+            resume = self._recover(position, without_frames(cause))
             if resume > position:
                 if skipped is None:
                     raise FrenzyError(f"survivors resume at {resume}, past this rank's {position}, which cannot be skipped")
@@ -166,6 +165,19 @@ class RecycleSteps:
         """Add a failure survived or a rejoin, at the current step, to the run's record."""
         at = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
         self.survived.append({"at": at, "step": self.current, "kind": kind, "ranks": ranks, "downtime_s": round(downtime_s, 4)})
+
+
+def without_frames(exc: BaseException) -> BaseException:
+    """``exc`` and the exceptions it was raised from, without their tracebacks: their frames hold
+    the interrupted transfers and collectives, and those the broken process groups, whose
+    connections close only once nothing holds them (a checkpoint's failure arrives wrapped)."""
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        link.__traceback__ = None
+        link = link.__cause__ or link.__context__
+    return exc
 
 
 def share_from_live_replica(engine: Engine, old_members: list[int], replacements: set[int]) -> None:
