@@ -198,6 +198,7 @@ class Observer(threading.Thread):
 
     def run(self) -> None:
         from frenzy_prefect.training.checkpoint import complete_checkpoints
+        from frenzy_prefect.training.liveness import INCARNATION_ENV
 
         pending = list(self.schedule)
         while not self.done.is_set():
@@ -214,8 +215,9 @@ class Observer(threading.Thread):
                 victim = trainer_of(rank, self.recycle)
                 if victim is None:
                     raise RuntimeError(f"no trainer of rank {rank} to kill at +{offset} s")
+                incarnation = victim.environ().get(INCARNATION_ENV)
                 victim.send_signal(signal.SIGKILL)
-                self.kills.append({"offset_s": offset, "rank": rank, "node": node_of(rank), "at": time.time(), "pid": victim.pid})
+                self.kills.append({"offset_s": offset, "rank": rank, "incarnation": incarnation, "at": time.time(), "pid": victim.pid})
             time.sleep(0.05)
 
 
@@ -287,37 +289,44 @@ def _at(iso: str) -> float:
 
 
 def recycle_phases(run: dict) -> dict:
-    """Rank 0's step times by phase, and each failure's and rejoin's measured times."""
+    """Rank 0's step times by phase, and each failure's and rejoin's measured times. A failure
+    record goes with the last kill of its rank before it and the first rejoin of its rank after
+    it (rank 0 began to recover after it); a kill with no failure record of its own hit a
+    replacement still waiting to be admitted."""
     metrics, kills = run["metrics"], run["kills"]
     step_s = metrics["step_s"]  # rank 0, never killed: every step 1..N
-    failed = [f for f in metrics["failures"] if f["kind"] == "failed"]
-    rejoined = [f for f in metrics["failures"] if f["kind"] == "rejoined"]
-    if len(failed) != len(kills) or len(rejoined) != len(kills):
-        raise RuntimeError(f"recycle: {len(kills)} kills but {len(failed)} failures and {len(rejoined)} rejoins recorded")
-    degraded, special = set(), {1}
-    for f, r in zip(failed, rejoined, strict=True):
-        degraded |= set(range(f["step"] + 1, r["step"]))
-        special |= {f["step"], r["step"]}
-    fault_free = [s for i, s in enumerate(step_s, start=1) if i not in degraded | special]
-    events = []
-    for kill, f, r in zip(kills, failed, rejoined, strict=True):
+    records = metrics["failures"]
+    degraded, special, events, matched = set(), {1}, [], set()
+    for i, f in enumerate(records):
+        if f["kind"] != "failed":
+            continue
+        detected = _at(f["at"]) - f["downtime_s"]  # (rank 0 began to recover)
+        kill = max((k for k in kills if k["rank"] in f["ranks"] and k["at"] < detected), key=lambda k: k["at"])
+        matched.add(id(kill))
+        r = next((r for r in records[i + 1 :] if r["kind"] == "rejoined" and set(r["ranks"]) == set(f["ranks"])), None)
+        back = r["step"] if r else len(step_s) + 1
+        degraded |= set(range(f["step"] + 1, back))
+        special |= {f["step"], back}
         events.append(
             {
                 "rank": kill["rank"],
                 "offset_s": kill["offset_s"],
-                "detected_and_reformed_s": _at(f["at"]) - kill["at"],  # kill -> the survivors re-formed
+                "detected_and_reformed_s": _at(f["at"]) - kill["at"],  # kill -> the survivors re-formed (rank 0)
                 "reform_s": f["downtime_s"],
+                "interrupted_step": f["step"],
                 "interrupted_step_s": step_s[f["step"] - 1],
-                "admitted_after_s": _at(r["at"]) - r["downtime_s"] - kill["at"],
-                "rejoin_pause_s": r["downtime_s"],
-                "degraded_steps": r["step"] - f["step"] - 1,
+                "admitted_after_s": _at(r["at"]) - r["downtime_s"] - kill["at"] if r else None,
+                "rejoin_pause_s": r["downtime_s"] if r else None,
+                "degraded_steps": back - f["step"] - 1,
             }
         )
+    fault_free = [s for i, s in enumerate(step_s, start=1) if i not in degraded | special]
     return {
         "fault_free_step_s": statistics.mean(fault_free),
         "rerouted_step_s": statistics.mean(step_s[i - 1] for i in degraded),
         "rerouted_steps": len(degraded),
         "events": events,
+        "kills_of_waiting_replacements": [k["offset_s"] for k in kills if id(k) not in matched],
     }
 
 
@@ -387,6 +396,9 @@ def main() -> None:
     parser.add_argument("--mtbf-s", type=float, default=None, help="per-node MTBF of the failure trace (default 240 s; --quick 60 s)")
     parser.add_argument("--kills", type=int, default=None, help="failures in the schedule (default 3; --quick 1)")
     parser.add_argument(
+        "--checkpoint-every", type=int, default=None, help="steps between checkpoints (default: the product's, within 5%% of training time)"
+    )
+    parser.add_argument(
         "--cpu-per-rank",
         type=float,
         default=None,
@@ -418,11 +430,16 @@ def main() -> None:
                 continue
             print(f"running {name}: {n} steps, kills (s after the first checkpoint, rank) {kill} ...", flush=True)
             label = name.replace(" ", "-").replace("=", "")
+            request["checkpoint_every"] = args.checkpoint_every
             runs[name] = run_job(make_job(tokens, home / label, dp, n, **request), kill, home / f"{label}.log", args.cpu_per_rank)
-        result = analyse(runs, seed, schedule, mtbf, steps, home) | {"cpu_per_rank": args.cpu_per_rank}
+        out = args.json or (None if args.quick else Path("benchmarks/results/recycle_live.json"))
+        if out:  # what was observed, before any analysis can fail
+            write_result({"schedule": schedule, "seed": seed, "runs": runs}, out.with_suffix(".runs.json"))
+        settings = {"cpu_per_rank": args.cpu_per_rank, "checkpoint_every": args.checkpoint_every}
+        result = analyse(runs, seed, schedule, mtbf, steps, home) | settings
     report(result)
-    if args.json or not args.quick:
-        write_result(result, args.json or Path("benchmarks/results/recycle_live.json"))
+    if out:
+        write_result(result, out)
 
 
 def write_trace(path: Path, schedule: list[tuple[float, int]]) -> None:
@@ -444,8 +461,8 @@ def policy_inputs(runs: dict) -> dict[str, tuple[dict | None, dict, dict]]:
     pace = fault_free_pace(restart)
     restarts = [s - pace["step_s"] - pace["checkpoint_write_s"] for s in restart_times(restart)]
     detection = statistics.mean(e["detected_and_reformed_s"] for e in events)
-    admitted = statistics.mean(e["admitted_after_s"] for e in events)
-    rejoin = statistics.mean(e["rejoin_pause_s"] for e in events)
+    admitted = statistics.mean(e["admitted_after_s"] for e in events if e["admitted_after_s"] is not None)
+    rejoin = statistics.mean(e["rejoin_pause_s"] for e in events if e["rejoin_pause_s"] is not None)
     checkpoints = {k: cycle[k] for k in ("checkpoint_interval_s", "checkpoint_write_s")}
     return {
         "recycle": (
@@ -535,11 +552,17 @@ def report(r: dict) -> None:
         f"dp=1 x pp=2: {r['dp1_pp2_step_s']:.3f} s"
     )
     for e in cycle["events"]:
-        print(
-            f"  recycle, rank {e['rank']} killed: survivors re-formed {e['detected_and_reformed_s']:.2f} s later (re-form "
-            f"{e['reform_s']:.3f} s), interrupted step {e['interrupted_step_s']:.2f} s, replacement admitted after "
-            f"{e['admitted_after_s']:.1f} s, rejoin pause {e['rejoin_pause_s']:.2f} s"
+        rejoin = (
+            f"replacement admitted after {e['admitted_after_s']:.1f} s, rejoin pause {e['rejoin_pause_s']:.2f} s"
+            if e["admitted_after_s"] is not None
+            else "no replacement rejoined"
         )
+        print(
+            f"  recycle, rank {e['rank']} killed at +{e['offset_s']:g} s: survivors re-formed {e['detected_and_reformed_s']:.2f} s "
+            f"later (rank 0's re-form {e['reform_s']:.3f} s), interrupted step {e['interrupted_step_s']:.2f} s, {rejoin}"
+        )
+    for offset in cycle["kills_of_waiting_replacements"]:
+        print(f"  recycle, the kill at +{offset:g} s hit a replacement still waiting to be admitted (no failure for the members)")
     print(f"  restart: kill -> first checkpoint after the restart {', '.join(f'{s:.1f} s' for s in restart['kill_to_next_checkpoint_s'])}")
     p = r["planner"]
     print(
