@@ -29,7 +29,7 @@ step: the simulator waits for the boundary itself), ``state_copy_s`` (the rejoin
 ``restart_s`` (kill -> training again after a restart), ``checkpoint_interval_s`` and
 ``checkpoint_write_s`` (the fault-free run's). The table shows live against simulated.
 
-    python -m benchmarks.recycle_live [--quick] [--steps 400] [--mtbf-s 240] [--json PATH]
+    python -m benchmarks.recycle_live [--quick] [--steps 400] [--mtbf-s 240] [--checkpoint-every N] [--cpu-per-rank C] [--json PATH]
 
 Rank 0 is never killed (it writes the per-step timings this benchmark reads; in a Prefect run it
 also hosts the flow). 4 ranks share this machine's cores: a dead rank's CPU goes to the
