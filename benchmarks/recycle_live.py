@@ -22,12 +22,15 @@ Throughput: samples trained after step 1 over the time from the first checkpoint
 to metrics.json being written (both observed on the local files), so the startup (torchrun,
 imports, which all policies share) is left out, and a restart's is not.
 
-Then every measured time goes to ``frenzy recycle simulate`` for the same trace: step-time table
-{4: fault-free step, 3: re-routed step, 2: the dp=1 x pp=2 step}, ``detection_s`` (kill ->
-survivors re-formed), ``join_delay_s`` (kill -> the replacement admitted, less half a re-routed
-step: the simulator waits for the boundary itself), ``state_copy_s`` (the rejoin's pause),
-``restart_s`` (kill -> training again after a restart), ``checkpoint_interval_s`` and
-``checkpoint_write_s`` (the fault-free run's). The table shows live against simulated.
+Then every measured time goes to ``frenzy recycle simulate`` for the same trace, each taken from
+the run the simulation predicts (a shared machine's load drifts between runs): step-time tables
+{4: fault-free step, 3: re-routed step} (recycle), {4: the restart run's pace between
+checkpoints} (restart: torchrun restarts on the whole grid) and {4: fault-free, 2: the dp=1 x
+pp=2 step} (drop-the-pipeline); ``detection_s`` (kill -> survivors re-formed), ``join_delay_s``
+(kill -> the replacement admitted, less half a re-routed step: the simulator waits for the
+boundary itself; 0 for restart, whose relaunch is in ``restart_s``), ``state_copy_s`` (the
+rejoin's pause), ``restart_s`` (kill -> training again after a restart),
+``checkpoint_interval_s`` and ``checkpoint_write_s``. The table shows live against simulated.
 
     python -m benchmarks.recycle_live [--quick] [--steps 400] [--mtbf-s 240] [--checkpoint-every N] [--cpu-per-rank C] [--json PATH]
 
