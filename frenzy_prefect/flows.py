@@ -156,5 +156,7 @@ def distributed_train(job: TrainingJob) -> TrainingResult:
             if restarts_left() <= 0:  # (else torchrun starts the ranks again)
                 report("failed", {"error": f"{type(exc).__name__}: {exc}"[:500]})
             raise
+        finally:
+            report.close()
     report("completed", {"steps": result.steps, "loss": result.losses[-1], "checkpoint": result.checkpoint})
     return result

@@ -5,11 +5,17 @@ Every notification but the per-step one becomes an event ``frenzy.training.<what
 training flow run (its resource; label ``frenzy.run``: the train-llm run it belongs to), so that
 automations and the UI's event feed see the run start, checkpoint, survive failures, complete or
 fail. The steps update a progress artifact and the live loss table, at most every UPDATE_S (and at
-the last step): one API call per step would slow fast steps down."""
+the last step), from a thread of their own: the training never waits for the API, and an API
+that is down (a server restarting) costs it nothing but late pictures."""
 
 from __future__ import annotations
 
+import contextvars
+import logging
+import queue
+import threading
 import time
+from collections.abc import Callable
 from uuid import UUID
 
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
@@ -22,13 +28,18 @@ TABLE_ROWS = 40  # the live table keeps this many steps, evenly spread, and the 
 
 
 class TrainingReporter:
-    """``notify(what, details)`` for the ranks of ``job``, run by flow run ``flow_run_id``."""
+    """``notify(what, details)`` for the ranks of ``job``, run by flow run ``flow_run_id``;
+    ``close()`` publishes what is still queued."""
 
     def __init__(self, flow_run_id: UUID, job: TrainingJob) -> None:
         self.flow_run_id, self.job = flow_run_id, job
         self.progress: UUID | None = None
         self.losses: list[tuple[int, float]] = []
         self.updated = 0.0
+        self.queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        context = contextvars.copy_context()  # the flow run's: the artifacts belong to it
+        self.publisher = threading.Thread(target=self._publish, args=(context,), name="frenzy-progress", daemon=True)
+        self.publisher.start()
 
     def __call__(self, what: str, details: dict) -> None:
         if what == "step":
@@ -39,8 +50,16 @@ class TrainingReporter:
             resource={"prefect.resource.id": f"prefect.flow-run.{self.flow_run_id}", "frenzy.run": self.job.run},
             payload=details,
         )
-        if what == "started" and self.progress is None:
+        if what == "started":
             done = 100.0 * (details["step"] - 1) / details["steps"]
+            self.queue.put(lambda: self._start_progress(done))
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        self.queue.put(None)
+        self.publisher.join(timeout_s)
+
+    def _start_progress(self, done: float) -> None:
+        if self.progress is None:
             self.progress = create_progress_artifact(done, key="training-progress", description="Optimizer steps done (%)")
 
     def _step(self, details: dict) -> None:
@@ -49,10 +68,19 @@ class TrainingReporter:
         if time.monotonic() - self.updated < UPDATE_S and not last:
             return
         self.updated = time.monotonic()
-        if self.progress is not None:
-            update_progress_artifact(self.progress, 100.0 * details["step"] / details["steps"])
         stride = max(1, len(self.losses) // TABLE_ROWS)
-        rows = [
-            {"step": str(s), "loss": f"{loss:.4f}"} for i, (s, loss) in enumerate(self.losses) if i % stride == 0 or s == details["step"]
-        ]
-        create_table_artifact(rows, key="live-loss", description=f"Training loss so far (step {details['step']} of {details['steps']})")
+        kept = [(s, loss) for i, (s, loss) in enumerate(self.losses) if i % stride == 0 or s == details["step"]]
+        rows = [{"step": str(s), "loss": f"{loss:.4f}"} for s, loss in kept]
+        self.queue.put(lambda: self._publish_step(details["step"], details["steps"], rows))
+
+    def _publish_step(self, step: int, steps: int, rows: list[dict[str, str]]) -> None:
+        if self.progress is not None:
+            update_progress_artifact(self.progress, 100.0 * step / steps)
+        create_table_artifact(rows, key="live-loss", description=f"Training loss so far (step {step} of {steps})")
+
+    def _publish(self, context: contextvars.Context) -> None:
+        while (action := self.queue.get()) is not None:
+            try:
+                context.run(action)
+            except Exception as exc:  # the UI's pictures are best effort; the training goes on
+                logging.getLogger("frenzy_prefect.reporting").warning(f"could not update the run's progress artifacts: {exc}")
