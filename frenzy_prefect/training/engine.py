@@ -45,7 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.pipeline.builder import Backward, one_f_one_b
 from frenzy_prefect.pipeline.schedule import Schedule
-from frenzy_prefect.spec.layout import check_engine_plan, deal_out, padded_vocab, uses_ddp
+from frenzy_prefect.spec.layout import check_engine_plan, check_resilience, deal_out, padded_vocab, uses_ddp
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import ParallelPlan
 from frenzy_prefect.spec.request import Attention, OptimizerSettings, Precision
@@ -225,8 +225,7 @@ class Engine:
     def regroup(self, live: Sequence[int]) -> None:
         """Rebuild this rank's groups over the ``live`` global ranks after the caller re-formed the
         process group over them, in that order (ReCycle: without failed ranks, or with rejoined ones)."""
-        if self.ddp is not None or self.deepspeed is not None or self.plan.zero > 0:
-            raise FrenzyError(f"only ZeRO-0 pipelines run on after a failure; this engine runs {self.plan.label()}")
+        check_resilience(self.plan, "recycle", self.main_grads)  # the plans whose stages other ranks hold whole
         self.position = {r: i for i, r in enumerate(live)}
         self.groups = Groups.build(self.plan, self.rank, live)
 
