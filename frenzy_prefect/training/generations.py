@@ -31,11 +31,13 @@ import torch
 import torch.distributed as dist
 
 from frenzy_prefect.errors import FrenzyError
+from frenzy_prefect.spec.result import TrainingResult
 from frenzy_prefect.training.liveness import Incarnation, Log, append
 
 RECOVERY_GRACE_S = 60.0  # how long survivors wait for a member that neither reports in nor is dead
 GROUP_TIMEOUT = timedelta(seconds=60)  # no survivor waits longer in a collective with a hung peer
 ABORT = "abort"
+FINISHED = "finished"  # the run's result (JSON), set by the lowest member at the end, for whoever still waits
 Position = tuple[int, int]  # (step, phase): where a member was in the run (phase 0: the step, 1: its checkpoint)
 
 
@@ -159,13 +161,18 @@ class Generation:
         return following
 
 
+def finished_result(store: dist.Store) -> TrainingResult | None:
+    """The run's result once its members have finished, else None."""
+    return TrainingResult.model_validate_json(store.get(FINISHED)) if store.check([FINISHED]) else None
+
+
 def await_admission(store: dist.Store, incarnation: Incarnation) -> tuple[Generation, dict] | None:
     """A replacement's wait: until the members admit it (its generation formed, and what they
     sent), or None when the job finished first."""
     append(store, "rejoin", incarnation)
     key = f"admitted/{incarnation[0]}/{incarnation[1]}"
     while not store.check([key]):
-        if store.check(["finished"]):
+        if store.check([FINISHED]):
             return None
         time.sleep(0.01)
     note = json.loads(store.get(key))

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from frenzy_prefect.spec.plan import TrainingJob
 from frenzy_prefect.spec.result import TrainingResult
 from frenzy_prefect.training.distributed import DistributedContext
-from frenzy_prefect.training.generations import EXCLUDED_EXIT
+from frenzy_prefect.training.generations import EXCLUDED_EXIT, finished_result
 from frenzy_prefect.training.liveness import HEARTBEAT_S, INCARNATION_ENV, Log, mark_dead
 
 RESULT, EVENT = "frenzy-result ", "frenzy-event "
@@ -95,6 +95,6 @@ def _kill_when_declared_dead(store, incarnation, trainer: subprocess.Popen, stop
 
 
 def _wait_for_the_end(store) -> TrainingResult:
-    while not store.check(["finished"]):
+    while (result := finished_result(store)) is None:
         time.sleep(1.0)
-    return TrainingResult.model_validate_json(store.get("finished"))
+    return result

@@ -24,7 +24,7 @@ from frenzy_prefect.training import checkpoint
 from frenzy_prefect.training.data import TokenWindows, replica_batches, step_batches, step_seed
 from frenzy_prefect.training.distributed import DistributedContext, together
 from frenzy_prefect.training.engine import Engine
-from frenzy_prefect.training.generations import Generation, Position, await_admission
+from frenzy_prefect.training.generations import FINISHED, Generation, Position, await_admission, finished_result
 from frenzy_prefect.training.liveness import Heartbeat, incarnation_from_env
 from frenzy_prefect.training.recycle_live import CHECKPOINT, Notify, RecycleSteps, share_from_live_replica
 
@@ -131,7 +131,7 @@ def _train_through_failures(
             data = TokenWindows(job.dataset, job.request.seq_len)  # (before joining: no collective the members are not in)
             admission = await_admission(store, (ctx.rank, incarnation))
             if admission is None:  # the job finished while this replacement waited
-                return TrainingResult.model_validate_json(store.get("finished"))
+                return finished_result(store)
             generation, note = admission
             joined = time.perf_counter()
             engine = _engine(job, ctx, live=generation.members)
@@ -155,7 +155,7 @@ def _train_through_failures(
             timings = _run_steps(job, ctx, engine, data, progress, run_step, log, notify, steps.survive)
         result = _result(job, ctx, progress, first, timings, started)
         if ctx.rank == steps.generation.members[0]:
-            store.set("finished", result.model_dump_json())  # replacements still waiting return it
+            store.set(FINISHED, result.model_dump_json())  # replacements still waiting return it
         return result
     finally:
         heartbeat.stop()
@@ -250,16 +250,18 @@ def _run_steps(
         notify(
             "started", {"step": progress.next_step, "steps": request.steps, "ranks": ctx.world_size, "plan": job.allocation.plan.label()}
         )
+    trained_s = 0.0  # the steps' own time, checkpoints excluded
     for step in range(progress.next_step, request.steps + 1):
         began = time.perf_counter()
         progress.losses.append(run_step(step, data, progress))
         progress.next_step = step + 1
         timings["step"].append(time.perf_counter() - began)
-        rate = len(timings["step"]) * tokens_per_step / sum(timings["step"])  # training only, not checkpoints
+        trained_s += timings["step"][-1]
         if len(timings["step"]) == 1 or step % request.log_every == 0 or step == request.steps:
+            rate = len(timings["step"]) * tokens_per_step / trained_s
             log(f"step {step}/{request.steps} loss {progress.losses[-1]:.4f} ({rate:,.0f} tokens/s over {dist.get_world_size()} ranks)")
         if reports:
-            notify("step", {"step": step, "steps": request.steps, "loss": progress.losses[-1], "tokens_per_s": rate})
+            notify("step", {"step": step, "steps": request.steps, "loss": progress.losses[-1]})
         if step - progress.last_saved >= progress.every or step == request.steps:
             final, save_s, interval = survive(
                 lambda: _checkpoint(job, ctx, engine, step, progress.losses, timings),  # noqa: B023 (called at once)
