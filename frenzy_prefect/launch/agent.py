@@ -31,11 +31,12 @@ def main() -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
-    stop, store = threading.Event(), _heartbeats_store()
+    stop, store, watcher = threading.Event(), _heartbeats_store(), None
     if store is not None:
         from frenzy_prefect.training.liveness import watch_job_heartbeats
 
-        threading.Thread(target=watch_job_heartbeats, args=(*store, stop), name="frenzy-heartbeats", daemon=True).start()
+        watcher = threading.Thread(target=watch_job_heartbeats, args=(*store, stop), name="frenzy-heartbeats", daemon=True)
+        watcher.start()
     try:
         torchrun()
     except ChildFailedError as e:
@@ -44,6 +45,8 @@ def main() -> None:
         raise
     finally:
         stop.set()
+        if watcher is not None:  # not left inside a store call at exit, where it would abort the process
+            watcher.join(timeout=5)
 
 
 if __name__ == "__main__":

@@ -83,6 +83,9 @@ def _run_trainer(incarnation: int, ctx: DistributedContext, log, notify) -> tupl
             log(line.rstrip("\n"))
     code = trainer.wait()
     stop.set()
+    # Joined, not left as a daemon: a daemon thread caught inside a store call when the
+    # interpreter exits is ended by pthread_exit in C++ code, and the process aborts (SIGABRT).
+    fence.join()
     return code, result if code == 0 else None
 
 
