@@ -23,6 +23,7 @@ from prefect.client.schemas.filters import (
 from frenzy_prefect.blocks import CLUSTER_ENV, cluster_block_name
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.flows import default_output
+from frenzy_prefect.localstack import StackError
 from frenzy_prefect.spec.result import TrainingReport
 from frenzy_prefect.storage import open_uri
 from frenzy_prefect.storage_credentials import _env_of, credentials_env
@@ -93,6 +94,29 @@ def test_prefect_block_register_finds_the_frenzy_cluster_block_type(stack, prefe
     out = stack.run_cli("prefect", "block", "register", "-m", "frenzy_prefect")
     assert "Frenzy Cluster" in out
     assert "frenzy-cluster" in stack.run_cli("prefect", "block", "type", "ls")
+
+
+@pytest.mark.pipelines
+def test_frenzy_cluster_use_sets_a_pools_default_cluster_and_creates_the_pool_if_there_is_none(stack, prefect_api):
+    for cluster in ("local-hetero.yaml", "local-recycle.yaml"):
+        stack.run_cli("frenzy_prefect.cli", "cluster", "save", str(ROOT / "blocks" / cluster))
+    use = ("frenzy_prefect.cli", "cluster", "use")
+    assert "created work pool 'cluster-use'" in stack.run_cli(*use, "local-hetero", "--pool", "cluster-use")
+    assert "updated work pool 'cluster-use'" in stack.run_cli(*use, "local-recycle", "--pool", "cluster-use")
+    with stack.client_settings(), get_client(sync_client=True) as client:
+        pool = client.read_work_pool("cluster-use")
+    assert pool.type == "frenzy"
+    assert pool.base_job_template["variables"]["properties"]["cluster"]["default"] == "local-recycle"
+    assert pool.base_job_template["job_configuration"]["cluster"] == "{{ cluster }}"
+
+    stack.run_cli("prefect", "work-pool", "create", "cluster-use-process", "--type", "process")
+    for args, message in [
+        (("no-such-cluster", "--pool", "cluster-use"), "no FrenzyCluster block named 'no-such-cluster'"),
+        (("local-hetero", "--pool", "cluster-use-process"), "work pool 'cluster-use-process' is of type 'process'"),
+    ]:
+        with pytest.raises(StackError, match="failed \\(2\\)") as failed:
+            stack.run_cli(*use, *args)
+        assert message in str(failed.value) and "Traceback" not in str(failed.value)
 
 
 @pytest.mark.pipelines

@@ -28,7 +28,7 @@ LAYERS: list[set[str]] = [
     {"reservations"},
     {"reclaim", "gpu_queue", "tasks"},
     {"flows", "worker"},
-    {"deployments", "localstack", "collection"},
+    {"deployments", "pools", "localstack", "collection"},
     {"cli"},
 ]
 

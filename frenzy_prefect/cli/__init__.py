@@ -30,6 +30,7 @@ app.command("presets")(memory.presets)
 app.command("deploy")(cluster.deploy)
 recycle_app.command("simulate")(recycle.simulate)
 cluster_app.command("save")(cluster.cluster_save)
+cluster_app.command("use")(cluster.pool_cluster)
 recycle_app.command("plan")(recycle.plan)
 
 __all__ = ["app"]

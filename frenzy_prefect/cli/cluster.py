@@ -81,6 +81,18 @@ def _request_fields(path: Path) -> dict:
     return fields
 
 
+def pool_cluster(
+    cluster: str = typer.Argument(..., help="FrenzyCluster block the pool's train-llm runs allocate on."),
+    pool: str = typer.Option("frenzy", "--pool", help="Work pool (type frenzy), created when there is none."),
+) -> None:
+    """Make CLUSTER the default cluster of a frenzy work pool (its base job template's `cluster`
+    variable; a run's `cluster` parameter still overrides it)."""
+    from frenzy_prefect.pools import set_pool_cluster
+
+    created = set_pool_cluster(pool, cluster)
+    typer.echo(f"{'created' if created else 'updated'} work pool {pool!r} (type frenzy): its runs allocate on cluster {cluster!r}")
+
+
 def cluster_save(
     file: Path = typer.Argument(..., help="Cluster file (YAML or JSON)."),
     name: str | None = typer.Option(None, "--name", help="Block name; default: the cluster's name."),
