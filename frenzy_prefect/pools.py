@@ -50,4 +50,5 @@ def _check_cluster_block(cluster: str) -> None:
     try:
         FrenzyCluster.load(cluster)
     except ValueError:
-        raise FrenzyError(f"no FrenzyCluster block named {cluster!r}: save it first (`frenzy cluster save FILE --name {cluster}`)") from None
+        save = f"frenzy cluster save FILE --name {cluster}"
+        raise FrenzyError(f"no FrenzyCluster block named {cluster!r}: save it first (`{save}`)") from None
