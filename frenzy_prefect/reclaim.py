@@ -15,7 +15,7 @@ this host, or, on another host, when Prefect shows that worker OFFLINE. Then:
 from __future__ import annotations
 
 import socket
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from uuid import UUID
 
 from prefect.client.schemas.filters import (
@@ -44,7 +44,7 @@ async def reclaim_lost_runs(worker: BaseWorker) -> None:
     active = FlowRunFilter(
         state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.PENDING, StateType.RUNNING, StateType.CANCELLING]))
     )
-    ended = FlowRunFilter(end_time=FlowRunFilterEndTime(after_=datetime.now(timezone.utc) - timedelta(seconds=RECLAIM_WINDOW_S)))
+    ended = FlowRunFilter(end_time=FlowRunFilterEndTime(after_=datetime.now(UTC) - timedelta(seconds=RECLAIM_WINDOW_S)))
     runs = [run for f in (active, ended) for run in await client.read_flow_runs(work_pool_filter=pool, flow_run_filter=f)]
     offline = {w.name for w in await client.read_workers_for_work_pool(worker._work_pool_name) if w.status == WorkerStatus.OFFLINE}
     for run in {run.id: run for run in runs}.values():

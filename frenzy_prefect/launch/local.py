@@ -143,7 +143,7 @@ class ProcessGroup:
         if self._accounts is not None:
             try:
                 report = await asyncio.wait_for(self._accounts[i](), ACCOUNT_TIMEOUT_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         launch = self.launches[i]
         if report is not None and isinstance(report.get("rank"), int):

@@ -130,7 +130,7 @@ async def start_ssh(launches: list[Launch], settings: SshSettings, cwd: Path | N
             if picks_port:
                 try:
                     reported = await asyncio.wait_for(channels[-1].get("port"), PORT_TIMEOUT_S)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     raise FrenzyError(
                         f"{launch.node or launch.host} ({launch.host}) did not report a rendezvous port within {PORT_TIMEOUT_S:.0f} s "
                         "(is the node's frenzy-prefect the worker's version?)"

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from enum import Enum
+from enum import StrEnum
 from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, field_validator
@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 from frenzy_prefect.pipeline.workers import Worker, live_pipelines
 
 
-class ActionKind(str, Enum):
+class ActionKind(StrEnum):
     """What an action does (the compact form's prefix). A str, so it compares, hashes, prints and
     serialises as its letters ("F" == ActionKind.F; JSON and the compact form are unchanged)."""
 
@@ -41,12 +41,6 @@ class ActionKind(str, Enum):
     RG = "RG"  # receive an input gradient from the next stage
     AR = "AR"  # all-reduce the stage's gradients
     OPT = "OPT"  # optimizer step
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
 
 
 COMPUTE = (ActionKind.F, ActionKind.B, ActionKind.W)

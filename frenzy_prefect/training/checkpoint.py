@@ -32,7 +32,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import torch
 import torch.distributed as dist
@@ -300,7 +300,7 @@ def save(engine: Engine, prefix: str, step: int, losses: list[float], keep: int)
     _barrier()  # every rank's files are written
     seconds = time.perf_counter() - started
     if rank0:
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         done = Manifest(step=step, plan=engine.plan, model=engine.spec, written_at=now, save_s=seconds, losses=losses)
         write_bytes(f"{uri}/{MANIFEST}", done.model_dump_json(indent=2).encode())
         prune(prefix, keep)

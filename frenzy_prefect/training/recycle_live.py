@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TypeVar
 
 import torch
@@ -163,7 +163,7 @@ class RecycleSteps:
 
     def record(self, kind: str, ranks: list[int], downtime_s: float) -> None:
         """Add a failure survived or a rejoin, at the current step, to the run's record."""
-        at = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+        at = datetime.now(UTC).isoformat(timespec="milliseconds")
         self.survived.append({"at": at, "step": self.current, "kind": kind, "ranks": ranks, "downtime_s": round(downtime_s, 4)})
 
 
