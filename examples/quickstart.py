@@ -1,10 +1,13 @@
-"""The main job, end to end on the embedded default stack.
+"""The main job, end to end on the embedded default stack, as a data team runs it.
 
 Starts a local S3 endpoint (moto) and a Prefect server on SQLite unless the environment points
-at real ones, uploads a small text dataset, saves the example heterogeneous cluster as a
-FrenzyCluster block, deploys the flows to a `frenzy` work pool, starts a worker, runs the
-`train-llm/frenzy` deployment and prints what it chose and produced. Stops what it started,
-also when stopped early with Ctrl-C, SIGTERM or SIGHUP.
+at real ones; saves the example heterogeneous cluster as a FrenzyCluster block and makes it the
+`frenzy` pool's cluster; starts a worker; deploys the flows, and a watcher with a train-llm
+deployment its events trigger (`frenzy deploy --on-new-data --approve`). Then a raw dataset
+lands (JSONL, in two puts); the watcher announces it once; the triggered train-llm run prepares
+it (a BPE trained on the data), ranks the plans and pauses; the demo approves the first, as a
+person would with the run page's Resume button, and prints what was chosen and produced. Stops
+what it started, also when stopped early with Ctrl-C, SIGTERM or SIGHUP.
 
     python examples/quickstart.py [--steps N] [--pp N] [--keep-running]
 """
@@ -12,8 +15,12 @@ also when stopped early with Ctrl-C, SIGTERM or SIGHUP.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import inspect
+import io
+import json
+import logging
 import signal
 import sys
 import time
@@ -21,7 +28,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BUCKET = "frenzy-demo"
-DATASET = f"s3://{BUCKET}/datasets/stdlib-docs.txt"
+INCOMING = f"s3://{BUCKET}/incoming/stdlib-docs/"  # where the raw dataset lands
+POOL, CLUSTER = "frenzy", "local-hetero"
+SETTLE_S = 3.0  # how long the landed files must stand still before the watcher announces them
 # Real English prose that ships with every Python: the standard library's own documentation.
 CORPUS_MODULES = (
     "argparse",
@@ -72,8 +81,8 @@ CORPUS_MODULES = (
 )
 
 
-def corpus() -> bytes:
-    """Every docstring of the modules above and their public members."""
+def documents() -> list[str]:
+    """Every docstring (over 200 characters) of the modules above and their public members."""
     parts = []
     for name in CORPUS_MODULES:
         module = importlib.import_module(name)
@@ -81,7 +90,7 @@ def corpus() -> bytes:
             doc = inspect.getdoc(member) if inspect.ismodule(member) or inspect.isclass(member) or inspect.isfunction(member) else None
             if doc and len(doc) > 200:
                 parts.append(doc)
-    return "\n\n".join(dict.fromkeys(parts)).encode()
+    return list(dict.fromkeys(parts))
 
 
 def main() -> int:
@@ -104,76 +113,13 @@ def main() -> int:
         print(f"S3 endpoint:    {stack.start_s3()}")
         print(f"Prefect API:    {stack.start_prefect()}")
         print(f"Prefect UI:     {stack.ui_url}")
-
-        from frenzy_prefect.storage import filesystem
-
-        fs, _ = filesystem(DATASET)
-        if not fs.exists(BUCKET):
-            fs.mkdir(BUCKET)
-        data = corpus()
-        fs.pipe_file(DATASET.removeprefix("s3://"), data)
-        print(f"Dataset:        {DATASET} ({len(data):,} bytes of text, byte-level tokens)")
-
         with stack.client_settings():
-            from prefect.deployments import run_deployment
-
-            from frenzy_prefect.blocks import FrenzyCluster
-            from frenzy_prefect.deployments import deploy_flows
-            from frenzy_prefect.flows import default_output
-            from frenzy_prefect.spec.request import TrainingRequest
-            from frenzy_prefect.spec.result import TrainingReport
-            from frenzy_prefect.storage import open_uri
-            from frenzy_prefect.units import gib
-
-            FrenzyCluster.from_file(ROOT / "blocks" / "local-hetero.yaml").save("local-hetero", overwrite=True)
-            stack.start_worker("frenzy")
-            deploy_flows("frenzy")
-            print("Worker:         `frenzy` work pool 'frenzy', deployments train-llm/frenzy and distributed-train/frenzy")
-
-            request = TrainingRequest(
-                model="gpt-nano",
-                dataset=DATASET,
-                global_batch=32,
-                seq_len=128,
-                steps=args.steps,
-                precision="fp32",
-                log_every=10,
-                plan={"pp": args.pp} if args.pp else None,
-            )
-            pinned = f", {request.plan.label()} pinned" if request.plan else ""
-            print(
-                f"Running train-llm: {request.model}, global batch {request.global_batch}, seq {request.seq_len}, "
-                f"{request.steps} steps{pinned} ..."
-            )
-            run = run_deployment(
-                "train-llm/frenzy",
-                parameters={"request": request.model_dump(mode="json"), "cluster": "local-hetero"},
-                timeout=600,
-                poll_interval=2,
-            )
-            if run.state is None or not run.state.is_completed():
-                print(f"train-llm run {run.name} ended {run.state.name if run.state else '?'}: {run.state.message if run.state else ''}")
-                print(f"Logs: {stack.logs}; the UI at {stack.ui_url} shows the run")
-                return 1
-            with open_uri(f"{default_output(DATASET, run.name)}/report.json", "r") as f:
-                report = TrainingReport.model_validate_json(f.read())
-
-        a = report.allocation
-        placed = ", ".join(f"{p.node} GPUs {p.gpus}" for p in a.placements)
-        print()
-        print(f"Flow run:       train-llm {run.name} ({stack.ui_url}/runs/flow-run/{run.id})")
-        print(f"Model:          {report.model}, {report.parameters:,} parameters")
-        print(f"Chosen plan:    {a.plan.gpus} x {a.gpu_type}, {a.plan.label()}")
-        print(f"Placement:      {placed}")
-        print(f"Predicted peak: {gib(a.memory.peak_bytes)} GiB per GPU (of {gib(a.gpu_memory_bytes, 1)} GiB)")
-        cost = "" if a.cost is None else f", cost {a.cost:.4f} at the cluster file's prices"
-        print(f"Predicted time: {a.step_time_s:.3g} s a step on the modelled GPUs, {a.total_time_s:.3g} s in all{cost}")
-        print(f"Loss:           {report.loss_start:.4f} at step 1 -> {report.loss_end:.4f} at step {report.result.steps}")
-        print(f"Throughput:     {report.result.tokens_per_s:,.0f} tokens/s on {report.result.world_size} ranks ({report.result.backend})")
-        print(f"Checkpoint:     {report.result.checkpoint}")
-        print(f"Loss curve:     {default_output(DATASET, run.name)}/loss-curve.png (and the run's loss-curve-picture artifact)")
-        print(f"Events:         {', '.join(training_events(stack, report.training_flow_run))}")
-        print(f"Wall time:      {time.perf_counter() - started:.1f} s")
+            trainer = set_up(stack, args)
+            report = land_and_train(stack, trainer)
+        if report is None:
+            print(f"Logs: {stack.logs}; the UI at {stack.ui_url} shows the runs")
+            return 1
+        print_report(stack, report, started)
         if args.keep_running:
             print(f"\nServices stay up; browse {stack.ui_url}. Ctrl-C (or SIGTERM, SIGHUP) stops them.", flush=True)
             try:
@@ -184,6 +130,177 @@ def main() -> int:
         else:
             print(f"\nTo browse the runs later: PREFECT_HOME={args.home / 'prefect'} prefect server start, then open the UI.")
     return 0
+
+
+def set_up(stack, args) -> str:
+    """The cluster block and the pool's cluster, a worker, the deployments; the name of the
+    train-llm deployment that new data triggers."""
+    from frenzy_prefect.blocks import FrenzyCluster
+    from frenzy_prefect.deployments import deploy_flows, deploy_on_new_data
+    from frenzy_prefect.pools import set_pool_cluster
+    from frenzy_prefect.spec.request import TrainingRequest
+
+    FrenzyCluster.from_file(ROOT / "blocks" / f"{CLUSTER}.yaml").save(CLUSTER, overwrite=True)
+    set_pool_cluster(POOL, CLUSTER)
+    print(f"Cluster:        {CLUSTER} (blocks/{CLUSTER}.yaml: 2 x A10, 2 x T4), the `{POOL}` pool's cluster (frenzy cluster use)")
+    stack.start_worker(POOL)
+    request = {
+        "model": "gpt-nano-bpe",
+        "global_batch": 32,
+        "seq_len": 128,
+        "steps": args.steps,
+        "precision": "fp32",
+        "log_every": 10,
+        "plan": {"pp": args.pp} if args.pp else None,
+    }
+    TrainingRequest.model_validate(request | {"dataset": INCOMING})
+    with contextlib.redirect_stdout(io.StringIO()):  # (Prefect's table of what it deployed)
+        deploy_flows(POOL)
+        # The watcher's schedule stays paused: the demo runs the watcher itself, so that the steps
+        # show in order (resume the schedule in the UI and it looks every 60 s).
+        watcher, trainer = deploy_on_new_data(POOL, INCOMING, request, settle_s=SETTLE_S, approve=True, paused=True)
+    print(f"Deployed:       train-llm/frenzy, distributed-train/frenzy; {watcher}; {trainer}, run on each new version")
+    return trainer
+
+
+def land_and_train(stack, trainer: str):
+    """Upload the raw dataset in two puts, watch it land, approve the triggered run's first plan
+    and wait for it: its report and flow run, or None (said why)."""
+    from prefect.flow_runs import resume_flow_run
+
+    from frenzy_prefect.flows import default_output, watch_datasets
+    from frenzy_prefect.spec.result import TrainingReport
+    from frenzy_prefect.storage import open_uri
+
+    quiet_console()
+    docs = documents()
+    size = upload_in_two_puts(docs)
+    print(f"Dataset:        {INCOMING}: {len(docs):,} documents ({size:,} bytes of JSONL) put as two files, one after the other")
+    while (version := watch_datasets(INCOMING, settle_s=SETTLE_S)) is None:  # what the watcher's schedule does
+        time.sleep(1.0)
+    print(f"Landed:         version {version}, announced once (frenzy.dataset.landed) after standing still {SETTLE_S:g} s")
+    run = wait_for(triggered_run(trainer), lambda r: r.state.is_paused())
+    print(f"Triggered:      {trainer} run {run.name}: prepared the dataset, ranked the plans, paused for approval")
+    if not run.state.is_paused():
+        print(f"train-llm run {run.name} ended {run.state.name}: {run.state.message}")
+        return None
+    print_prepared()
+    print_plans(run.id)
+    resume_flow_run(run.id, run_input={"run": True, "plan": 1})
+    print("Approved:       plan #1 (as a person would: the run page's Resume button, plan 1)")
+    run = wait_for(run.id, lambda r: r.state.is_final())
+    if not run.state.is_completed():
+        print(f"train-llm run {run.name} ended {run.state.name}: {run.state.message}")
+        return None
+    with open_uri(f"{default_output(INCOMING, run.name)}/report.json", "r") as f:
+        return TrainingReport.model_validate_json(f.read()), run
+
+
+def quiet_console() -> None:
+    """The watcher's runs in this process log to the UI only, not among the demo's lines."""
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    for name in ("", "prefect", "prefect.flow_runs"):  # (the root logger holds the console handler)
+        for handler in logging.getLogger(name).handlers:
+            if isinstance(handler, PrefectConsoleHandler):
+                handler.setLevel(logging.WARNING)
+
+
+def upload_in_two_puts(docs: list[str]) -> int:
+    from frenzy_prefect.storage import filesystem
+
+    fs, path = filesystem(INCOMING)
+    if not fs.exists(BUCKET):
+        fs.mkdir(BUCKET)
+    half, size = len(docs) // 2, 0
+    for number, part in enumerate((docs[:half], docs[half:]), 1):
+        body = "\n".join(json.dumps({"text": doc}) for doc in part).encode()
+        fs.pipe_file(f"{path.rstrip('/')}/part-{number}.jsonl", body)
+        size += len(body)
+    return size
+
+
+def triggered_run(deployment: str, timeout_s: float = 120):
+    """The id of the first run of ``deployment`` (its trigger creates it)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId
+
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as client:
+        deployment_id = client.read_deployment_by_name(deployment).id
+        runs_of = FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[deployment_id]))
+        while not (runs := client.read_flow_runs(flow_run_filter=runs_of)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no run of {deployment} {timeout_s:.0f} s after the dataset landed")
+            time.sleep(1.0)
+    return runs[0].id
+
+
+def wait_for(run_id, done, timeout_s: float = 900):
+    """Flow run ``run_id`` once ``done(run)`` or it ended."""
+    from prefect.client.orchestration import get_client
+
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as client:
+        while not (done(run := client.read_flow_run(run_id)) or run.state.is_final()) and time.monotonic() < deadline:
+            time.sleep(1.0)
+    return run
+
+
+def print_prepared() -> None:
+    """What preparation made (the manifest beside the raw prefix)."""
+    from frenzy_prefect.datasets.prepare import default_root
+    from frenzy_prefect.spec.dataset import Manifest
+    from frenzy_prefect.storage import filesystem
+
+    fs, root = filesystem(default_root(INCOMING))
+    for path in fs.glob(f"{root}/*/manifest.json"):
+        m = Manifest.model_validate_json(fs.cat_file(path))
+        print(
+            f"Prepared:       {m.documents:,} documents -> {m.tokens:,} tokens ({m.format} shards, a BPE of {m.vocab_size:,} "
+            f"tokens trained on the data) at {default_root(INCOMING)}/{m.content_hash}"
+        )
+
+
+def print_plans(run_id, shown: int = 4) -> None:
+    """The first plans of the run's memory-estimates artifact, as the run page shows them."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        only = ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]), key=ArtifactFilterKey(any_=["memory-estimates"]))
+        (artifact,) = client.read_artifacts(artifact_filter=only)
+    rows = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
+    print(f"Plans:          {len(rows)} ranked (the run's memory-estimates artifact); the first {shown}:")
+    columns = {"#": "#", "gpus": "GPUs", "plan": "plan", "peak GiB": "peak GiB", "step s (predicted)": "step s"}
+    columns |= {"total h (predicted)": "total h", "cost (predicted)": "cost USD", "fits": "fits"}
+    table = [list(columns.values())] + [[f"{r[k]} x {r['gpu']}" if k == "gpus" else r[k] for k in columns] for r in rows[:shown]]
+    widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
+    for line in table:
+        print(" " * 16 + "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip())
+
+
+def print_report(stack, found, started: float) -> None:
+    from frenzy_prefect.flows import default_output
+    from frenzy_prefect.units import gib
+
+    report, run = found
+    a = report.allocation
+    placed = ", ".join(f"{p.node} GPUs {p.gpus}" for p in a.placements)
+    print()
+    print(f"Flow run:       train-llm {run.name} ({stack.ui_url}/runs/flow-run/{run.id})")
+    print(f"Model:          {report.model}, {report.parameters:,} parameters")
+    print(f"Chosen plan:    {a.plan.gpus} x {a.gpu_type}, {a.plan.label()}")
+    print(f"Placement:      {placed}")
+    print(f"Predicted peak: {gib(a.memory.peak_bytes)} GiB per GPU (of {gib(a.gpu_memory_bytes, 1)} GiB)")
+    cost = "" if a.cost is None else f", {a.cost:.3g} USD at the cluster file's prices"
+    print(f"Predicted time: {a.step_time_s:.3g} s a step on the modelled GPUs, {a.total_time_s:.3g} s in all{cost}")
+    print(f"Loss:           {report.loss_start:.4f} at step 1 -> {report.loss_end:.4f} at step {report.result.steps}")
+    print(f"Throughput:     {report.result.tokens_per_s:,.0f} tokens/s on {report.result.world_size} ranks ({report.result.backend})")
+    print(f"Checkpoint:     {report.result.checkpoint}")
+    print(f"Loss curve:     {default_output(INCOMING, run.name)}/loss-curve.png (and the run's loss-curve-picture artifact)")
+    print(f"Events:         {', '.join(training_events(stack, report.training_flow_run))}")
+    print(f"Wall time:      {time.perf_counter() - started:.1f} s")
 
 
 def training_events(stack, training_run: str) -> list[str]:

@@ -31,22 +31,38 @@ def deploy_flows(pool: str, name: str = DEFAULT_NAME) -> list[UUID]:
 
 
 def deploy_on_new_data(
-    pool: str, prefix: str, request: dict, name: str = DEFAULT_NAME, settle_s: float = 60.0, every_s: float = 60.0
+    pool: str,
+    prefix: str,
+    request: dict,
+    name: str = DEFAULT_NAME,
+    settle_s: float = 60.0,
+    every_s: float = 60.0,
+    approve: bool = False,
+    paused: bool = False,
 ) -> tuple[str, str]:
-    """`watch-datasets/NAME-<prefix>`, polling ``prefix`` every ``every_s``, and
-    `train-llm/NAME-<prefix>`, which a trigger runs on each `frenzy.dataset.landed` event of that
-    prefix: ``request`` (a TrainingRequest's fields) with the event's prefix as its dataset,
-    trained through `distributed-train/NAME`. Returns the two deployments' names."""
+    """`watch-datasets/NAME-<prefix>`, polling ``prefix`` every ``every_s`` (its schedule left
+    ``paused`` if asked), and `train-llm/NAME-<prefix>`, which a trigger runs on each
+    `frenzy.dataset.landed` event of that prefix: ``request`` (a TrainingRequest's fields) with the
+    event's prefix as its dataset, trained through `distributed-train/NAME`, after a person's
+    approval of the plans if ``approve``. Returns the two deployments' names."""
     slug = f"{name}-" + re.sub(r"[^a-z0-9]+", "-", prefix.lower().split("://", 1)[-1]).strip("-")[:60]
     landed = DeploymentEventTrigger(
         name=f"train when {prefix} lands",
         expect={"frenzy.dataset.landed"},
         match={"prefect.resource.id": f"frenzy.dataset.{prefix}"},
-        parameters={"request": {**request, "dataset": "{{ event.payload.prefix }}"}, "training_deployment": f"distributed-train/{name}"},
+        parameters={
+            "request": {**request, "dataset": "{{ event.payload.prefix }}"},
+            "training_deployment": f"distributed-train/{name}",
+            "approve": approve,
+        },
     )
     deploy(
         watch_datasets.to_deployment(
-            name=slug, entrypoint_type=EntrypointType.MODULE_PATH, interval=every_s, parameters={"prefix": prefix, "settle_s": settle_s}
+            name=slug,
+            entrypoint_type=EntrypointType.MODULE_PATH,
+            interval=every_s,
+            paused=paused,
+            parameters={"prefix": prefix, "settle_s": settle_s},
         ),
         train_llm.to_deployment(name=slug, entrypoint_type=EntrypointType.MODULE_PATH, triggers=[landed]),
         work_pool_name=pool,

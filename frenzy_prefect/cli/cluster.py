@@ -50,12 +50,17 @@ def deploy(
     request: Path | None = typer.Option(None, "--request", help="With --on-new-data: a YAML/JSON TrainingRequest, its dataset left out."),
     settle_s: float = typer.Option(60.0, "--settle-s", min=0, help="With --on-new-data: seconds a new version's files must stand still."),
     every_s: float = typer.Option(60.0, "--every-s", min=1, help="With --on-new-data: seconds between looks at the prefix."),
+    approve: bool = typer.Option(
+        False, "--approve", help="With --on-new-data: each run pauses with its ranked plans until a person approves one (the UI's Resume)."
+    ),
 ) -> None:
     """Create the train-llm/NAME and distributed-train/NAME deployments on POOL (and, with
     --on-new-data, a watch-datasets deployment and a train-llm one its events trigger)."""
     from frenzy_prefect.deployments import deploy_flows, deploy_on_new_data
     from frenzy_prefect.spec.request import TrainingRequest
 
+    if approve and on_new_data is None:
+        raise FrenzyError("--approve goes with --on-new-data: the triggered runs pause for approval (a run of your own: train-llm's approve)")
     if (on_new_data is None) != (request is None):
         raise FrenzyError("--on-new-data and --request go together: the prefix to watch and what to train on each new version")
     fields = {**_request_fields(request), "dataset": on_new_data} if request else {}
@@ -65,7 +70,7 @@ def deploy(
         deploy_flows(pool, name)
         typer.echo(f"deployed train-llm/{name} and distributed-train/{name} to work pool {pool!r}")
         if on_new_data is not None:
-            watcher, trainer = deploy_on_new_data(pool, on_new_data, fields, name, settle_s, every_s)
+            watcher, trainer = deploy_on_new_data(pool, on_new_data, fields, name, settle_s, every_s, approve)
             typer.echo(f"deployed {watcher} (every {every_s:g} s) and {trainer}, run on each frenzy.dataset.landed of {on_new_data}")
     except ValueError as exc:
         raise FrenzyError(str(exc)) from None

@@ -39,12 +39,14 @@ def _llama(name: str, layers: int, hidden: int, heads: int, kv_heads: int, ffn: 
     )
 
 
-# Byte-level presets (vocab 256) train on raw UTF-8 text on CPU; the GPT-2 family uses GPT-2's BPE
-# vocabulary; the real Llama-family models are their published config.json files.
+# Byte-level presets (vocab 256) train on raw UTF-8 text on CPU; gpt-nano-bpe is gpt-nano with room
+# for a small BPE trained on the data (prepare-dataset: 1024 tokens); the GPT-2 family uses GPT-2's
+# BPE vocabulary; the real Llama-family models are their published config.json files.
 PRESETS: dict[str, ModelSpec] = {
     m.name: m
     for m in (
         _gpt("gpt-nano", 4, 128, 4, 256, 256),
+        _gpt("gpt-nano-bpe", 4, 128, 4, 1024, 256),
         _gpt("gpt-micro", 6, 256, 8, 256, 512),
         _llama("llama-nano", 4, 128, 4, 2, 352, 256, 256),
         _llama("llama-micro", 6, 256, 8, 2, 688, 256, 512),
