@@ -19,6 +19,7 @@ import contextlib
 import importlib
 import inspect
 import io
+import itertools
 import json
 import logging
 import signal
@@ -299,7 +300,8 @@ def print_report(stack, found, started: float) -> None:
     print(f"Throughput:     {report.result.tokens_per_s:,.0f} tokens/s on {report.result.world_size} ranks ({report.result.backend})")
     print(f"Checkpoint:     {report.result.checkpoint}")
     print(f"Loss curve:     {default_output(INCOMING, run.name)}/loss-curve.png (and the run's loss-curve-picture artifact)")
-    print(f"Events:         {', '.join(training_events(stack, report.training_flow_run))}")
+    events = [(name, len(list(same))) for name, same in itertools.groupby(training_events(stack, report.training_flow_run))]
+    print(f"Events:         {', '.join(name + (f' x{n}' if n > 1 else '') for name, n in events)} (frenzy.training.*)")
     print(f"Wall time:      {time.perf_counter() - started:.1f} s")
 
 
