@@ -31,6 +31,16 @@ class FrenzyCluster(Block):
         return cls(cluster=ClusterSpec.from_file(path))
 
 
+def load_cluster(block_name: str) -> FrenzyCluster:
+    """The FrenzyCluster block ``block_name``, or one line saying how to create it."""
+    try:
+        return FrenzyCluster.load(block_name)
+    except ValueError:
+        raise FrenzyError(
+            f"no FrenzyCluster block named {block_name!r}; create one with `frenzy cluster save FILE --name {block_name}`"
+        ) from None
+
+
 def save_node(block_name: str, node: Node) -> ClusterSpec:
     """Add ``node`` to the FrenzyCluster block ``block_name``, or replace the node of that name
     (creating the block if there is none); the cluster as saved."""

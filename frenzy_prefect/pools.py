@@ -16,9 +16,10 @@ def set_pool_cluster(pool: str, cluster: str) -> bool:
     from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
     from prefect.exceptions import ObjectNotFound
 
+    from frenzy_prefect.blocks import load_cluster
     from frenzy_prefect.worker import FrenzyWorker
 
-    _check_cluster_block(cluster)
+    load_cluster(cluster)  # refused now, not at the pool's first run
     with get_client(sync_client=True) as client:
         try:
             existing = client.read_work_pool(pool)
@@ -42,13 +43,3 @@ def _with_cluster(template: dict[str, Any], cluster: str) -> dict[str, Any]:
     variables["cluster"] = {**default["variables"]["properties"]["cluster"], **variables.get("cluster", {}), "default": cluster}
     template.setdefault("job_configuration", {}).setdefault("cluster", default["job_configuration"]["cluster"])
     return template
-
-
-def _check_cluster_block(cluster: str) -> None:
-    from frenzy_prefect.blocks import FrenzyCluster
-
-    try:
-        FrenzyCluster.load(cluster)
-    except ValueError:
-        save = f"frenzy cluster save FILE --name {cluster}"
-        raise FrenzyError(f"no FrenzyCluster block named {cluster!r}: save it first (`{save}`)") from None

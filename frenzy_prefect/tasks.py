@@ -12,11 +12,11 @@ from prefect.logging import get_run_logger
 from prefect.utilities.asyncutils import run_coro_as_sync
 
 from frenzy_prefect import allocator
-from frenzy_prefect.blocks import FrenzyCluster, save_node
+from frenzy_prefect.blocks import load_cluster, save_node
 from frenzy_prefect.charts import loss_curve_png
 from frenzy_prefect.datasets.prepare import Prepared
 from frenzy_prefect.datasets.prepare import prepare as _prepare
-from frenzy_prefect.errors import ClusterBusy, FrenzyError
+from frenzy_prefect.errors import ClusterBusy
 from frenzy_prefect.profiling.dataset import profile_dataset as _profile_dataset
 from frenzy_prefect.profiling.model import resolve_model
 from frenzy_prefect.profiling.nodes import node_of, read_gpus
@@ -82,13 +82,7 @@ def profile_dataset(request: TrainingRequest, model: ModelSpec, uri: str | None 
 def profile_cluster(cluster: str) -> ClusterState:
     """The cluster's state now: the FrenzyCluster block named ``cluster``, less the GPUs other
     runs hold (the reservations the `frenzy` workers share)."""
-    try:
-        block = FrenzyCluster.load(cluster)
-    except ValueError:
-        raise FrenzyError(
-            f"no FrenzyCluster block named {cluster!r}; create one with `frenzy cluster save FILE --name {cluster}`"
-        ) from None
-    spec = block.cluster
+    spec = load_cluster(cluster).cluster
     gpus = ", ".join(f"{n.name}: {n.gpu_count} x {n.gpu_type}" for n in spec.nodes)
     state = run_coro_as_sync(_live_state(spec))
     busy = sum(n.gpu_count - len(state.free_gpus[n.name]) for n in spec.nodes)

@@ -151,6 +151,8 @@ def test_plan_for_recycle_offers_only_the_pipelines_it_can_keep_running_or_says_
             "the largest GPU available is A10",
         ),
         (["plan", "gpt-nano", "--global-batch", "8", "--seq-len", "64", "--cluster", "nope.yaml"], "cluster file nope.yaml does not exist"),
+        (["deploy", "--approve"], "--approve goes with --on-new-data"),
+        (["deploy", "--on-new-data", "s3://b/in/"], "--on-new-data and --request go together"),
     ],
 )
 def test_bad_input_is_one_line_on_stderr_and_a_nonzero_exit(args, message):

@@ -22,10 +22,7 @@ from prefect.client.schemas.filters import (
 
 from frenzy_prefect.blocks import CLUSTER_ENV, cluster_block_name
 from frenzy_prefect.errors import FrenzyError
-from frenzy_prefect.flows import default_output
 from frenzy_prefect.localstack import StackError
-from frenzy_prefect.spec.result import TrainingReport
-from frenzy_prefect.storage import open_uri
 from frenzy_prefect.storage_credentials import _env_of, credentials_env
 from frenzy_prefect.worker import FrenzyJobConfiguration, FrenzyWorker
 
@@ -135,17 +132,19 @@ def test_deployment_names_come_from_the_environment_or_frenzy_deploy_name(stack,
 
 
 @pytest.mark.pipelines
-def test_a_run_without_a_cluster_parameter_allocates_on_the_pools_cluster(stack, worker_pool, dataset):
-    """The test pool was created with `cluster` defaulting to the example cluster's block."""
+def test_a_run_without_a_cluster_parameter_plans_on_the_pools_cluster(stack, worker_pool, dataset):
+    """The test pool's `cluster` defaults to the example cluster's block (`frenzy cluster use`): a
+    run that names none plans on it (a run with neither fails at once, test_a_run_names_...).
+    Planning is where the cluster is read; allocating and training on it: the demo's test."""
     with stack.client_settings():
         from prefect.deployments import run_deployment
 
-        run = wait_final(run_deployment("train-llm/frenzy", parameters={"request": TINY | {"dataset": dataset}}, timeout=0).id)
+        request = TINY | {"dataset": dataset}
+        run = wait_final(run_deployment("train-llm/frenzy", parameters={"request": request, "plan_only": True}, timeout=0).id)
+        with get_client(sync_client=True) as client:
+            logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
     assert run.state.is_completed(), run.state.message
-    with open_uri(f"{default_output(dataset, run.name)}/report.json", "r") as f:
-        report = TrainingReport.model_validate_json(f.read())
-    assert report.allocation.gpu_type == "A10" and [p.node for p in report.allocation.placements] == ["a10-node"]
-    assert POOL_CLUSTER == "local-hetero"  # the cluster whose only A10 node is a10-node
+    assert any(log.message.startswith(f"Cluster {POOL_CLUSTER}: a10-node: 2 x A10, t4-node: 2 x T4") for log in logs), logs
 
 
 @pytest.fixture(scope="module")

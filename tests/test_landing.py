@@ -1,6 +1,7 @@
 """Runs when data lands (issue 17, part 2): `watch-datasets` announces each new version of a raw
-dataset once its files stand still, and `frenzy deploy --on-new-data` turns each announcement
-into exactly one train-llm run, on the real Prefect server, worker and moto S3."""
+dataset once its files stand still, and `frenzy deploy --on-new-data --approve` turns each
+announcement into exactly one train-llm run, which prepares the version, plans and waits for
+approval, on the real Prefect server, worker and moto S3."""
 
 from __future__ import annotations
 
@@ -34,16 +35,20 @@ def test_a_version_is_announced_once_after_it_stood_still_for_the_settle_time():
 def test_files_landing_in_several_puts_start_exactly_one_training_run_and_a_new_version_one_more(stack, worker_pool, s3, tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId
+    from prefect.flow_runs import resume_flow_run
 
     from frenzy_prefect.flows import watch_datasets
 
     from .test_e2e import wait_final
+    from .test_plan_first import wait_paused
 
     prefix = f"s3://{BUCKET}/landing/"
     request = tmp_path / "request.yaml"
     request.write_text(json.dumps({"model": TINY_BPE_MODEL, "global_batch": 8, "seq_len": 32, "steps": 2, "precision": "fp32"}))
     settle = ["--settle-s", "2", "--every-s", "86400"]  # the test looks itself, instead of the schedule
-    stack.run_cli("frenzy_prefect.cli", "deploy", "--on-new-data", prefix, "--request", str(request), *settle)
+    # --approve: each run prepares its version and plans, then waits for a person; the test
+    # declines it, so no GPU is reserved (training on a prepared prefix: test_datasets, the demo).
+    stack.run_cli("frenzy_prefect.cli", "deploy", "--on-new-data", prefix, "--request", str(request), *settle, "--approve")
 
     def training_runs() -> list:
         with stack.client_settings(), get_client(sync_client=True) as client:
@@ -79,6 +84,9 @@ def test_files_landing_in_several_puts_start_exactly_one_training_run_and_a_new_
     second = look()
     assert second not in (None, first)
     runs = runs_settle_at(2)
-    assert len(runs) == 2
+    assert len(runs) == 2 and all(r.parameters["approve"] for r in runs)
     with stack.client_settings():
-        assert all(wait_final(r.id).state.is_completed() for r in runs)
+        for run in runs:
+            wait_paused(stack, run.id)  # prepared and planned, nothing reserved
+            resume_flow_run(run.id, run_input={"run": False})
+        assert all(wait_final(r.id).state.is_cancelled() for r in runs)

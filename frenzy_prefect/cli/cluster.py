@@ -60,7 +60,9 @@ def deploy(
     from frenzy_prefect.spec.request import TrainingRequest
 
     if approve and on_new_data is None:
-        raise FrenzyError("--approve goes with --on-new-data: the triggered runs pause for approval (a run of your own: train-llm's approve)")
+        raise FrenzyError(
+            "--approve goes with --on-new-data: the triggered runs pause for approval (a run of your own: train-llm's approve)"
+        )
     if (on_new_data is None) != (request is None):
         raise FrenzyError("--on-new-data and --request go together: the prefix to watch and what to train on each new version")
     fields = {**_request_fields(request), "dataset": on_new_data} if request else {}
