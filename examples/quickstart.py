@@ -25,6 +25,7 @@ import logging
 import signal
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -174,17 +175,17 @@ def land_and_train(stack, trainer: str):
     from frenzy_prefect.storage import open_uri
 
     quiet_console()
-    docs = documents()
+    docs, earlier = documents(), runs_of(trainer)
     size = upload_in_two_puts(docs)
     print(f"Dataset:        {INCOMING}: {len(docs):,} documents ({size:,} bytes of JSONL) put as two files, one after the other")
     while (version := watch_datasets(INCOMING, settle_s=SETTLE_S)) is None:  # what the watcher's schedule does
         time.sleep(1.0)
     print(f"Landed:         version {version}, announced once (frenzy.dataset.landed) after standing still {SETTLE_S:g} s")
-    run = wait_for(triggered_run(trainer), lambda r: r.state.is_paused())
-    print(f"Triggered:      {trainer} run {run.name}: prepared the dataset, ranked the plans, paused for approval")
+    run = wait_for(triggered_run(trainer, earlier), lambda r: r.state.is_paused())
     if not run.state.is_paused():
-        print(f"train-llm run {run.name} ended {run.state.name}: {run.state.message}")
+        print(f"train-llm run {run.name} is {run.state.name}, not paused for approval: {run.state.message}")
         return None
+    print(f"Triggered:      {trainer} run {run.name}: prepared the dataset, ranked the plans, paused for approval")
     print_prepared()
     print_plans(run.id)
     resume_flow_run(run.id, run_input={"run": True, "plan": 1})
@@ -213,28 +214,37 @@ def upload_in_two_puts(docs: list[str]) -> int:
     fs, path = filesystem(INCOMING)
     if not fs.exists(BUCKET):
         fs.mkdir(BUCKET)
+    # Each record says when it was exported, as a real export's would: the files of every demo
+    # run differ, so each is a new version (the same files again would not be announced again).
+    exported = datetime.now(UTC).isoformat(timespec="seconds")
     half, size = len(docs) // 2, 0
     for number, part in enumerate((docs[:half], docs[half:]), 1):
-        body = "\n".join(json.dumps({"text": doc}) for doc in part).encode()
+        body = "\n".join(json.dumps({"text": doc, "exported": exported}) for doc in part).encode()
         fs.pipe_file(f"{path.rstrip('/')}/part-{number}.jsonl", body)
         size += len(body)
     return size
 
 
-def triggered_run(deployment: str, timeout_s: float = 120):
-    """The id of the first run of ``deployment`` (its trigger creates it)."""
+def runs_of(deployment: str) -> set:
+    """The ids of the runs of ``deployment`` so far."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId
 
-    deadline = time.monotonic() + timeout_s
     with get_client(sync_client=True) as client:
         deployment_id = client.read_deployment_by_name(deployment).id
-        runs_of = FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[deployment_id]))
-        while not (runs := client.read_flow_runs(flow_run_filter=runs_of)):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no run of {deployment} {timeout_s:.0f} s after the dataset landed")
-            time.sleep(1.0)
-    return runs[0].id
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[deployment_id])))
+    return {run.id for run in runs}
+
+
+def triggered_run(deployment: str, earlier: set, timeout_s: float = 120):
+    """The id of the run of ``deployment`` that is not one of ``earlier`` (its trigger creates it)."""
+    deadline = time.monotonic() + timeout_s
+    while not (new := runs_of(deployment) - earlier):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no run of {deployment} {timeout_s:.0f} s after the dataset landed")
+        time.sleep(1.0)
+    (run_id,) = new
+    return run_id
 
 
 def wait_for(run_id, done, timeout_s: float = 900):
@@ -249,18 +259,21 @@ def wait_for(run_id, done, timeout_s: float = 900):
 
 
 def print_prepared() -> None:
-    """What preparation made (the manifest beside the raw prefix)."""
+    """What preparation made of the files now under the prefix (its manifest, beside the prefix)."""
     from frenzy_prefect.datasets.prepare import default_root
+    from frenzy_prefect.datasets.sources import list_sources
     from frenzy_prefect.spec.dataset import Manifest
     from frenzy_prefect.storage import filesystem
 
+    files = list_sources(INCOMING).files
     fs, root = filesystem(default_root(INCOMING))
     for path in fs.glob(f"{root}/*/manifest.json"):
         m = Manifest.model_validate_json(fs.cat_file(path))
-        print(
-            f"Prepared:       {m.documents:,} documents -> {m.tokens:,} tokens ({m.format} shards, a BPE of {m.vocab_size:,} "
-            f"tokens trained on the data) at {default_root(INCOMING)}/{m.content_hash}"
-        )
+        if m.files == files:
+            print(
+                f"Prepared:       {m.documents:,} documents -> {m.tokens:,} tokens ({m.format} shards, a BPE of {m.vocab_size:,} "
+                f"tokens trained on the data) at {default_root(INCOMING)}/{m.content_hash}"
+            )
 
 
 def print_plans(run_id, shown: int = 4) -> None:

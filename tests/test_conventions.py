@@ -8,6 +8,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 from prefect.client.orchestration import get_client
@@ -141,10 +142,15 @@ def test_a_run_without_a_cluster_parameter_plans_on_the_pools_cluster(stack, wor
 
         request = TINY | {"dataset": dataset}
         run = wait_final(run_deployment("train-llm/frenzy", parameters={"request": request, "plan_only": True}, timeout=0).id)
+        assert run.state.is_completed(), run.state.message
+        deadline = time.monotonic() + 60  # a run's logs reach the server in batches, after its last state at times
         with get_client(sync_client=True) as client:
-            logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
-    assert run.state.is_completed(), run.state.message
-    assert any(log.message.startswith(f"Cluster {POOL_CLUSTER}: a10-node: 2 x A10, t4-node: 2 x T4") for log in logs), logs
+            while not any(
+                log.message.startswith(f"Cluster {POOL_CLUSTER}: a10-node: 2 x A10, t4-node: 2 x T4")
+                for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
+            ):
+                assert time.monotonic() < deadline, "the run never logged the pool's cluster"
+                time.sleep(1)
 
 
 @pytest.fixture(scope="module")
