@@ -8,17 +8,17 @@ from prefect.client.orchestration import PrefectClient
 from prefect.states import Crashed
 
 
-async def crash_naming_the_cause(client: PrefectClient, flow_run_id: UUID, message: str, *, failed_rank: int | None = None) -> None:
+async def crash_naming_the_cause(client: PrefectClient, flow_run_id: UUID, message: str, *, replaces_failure: bool) -> None:
     """Mark the flow run Crashed with ``message``, once its processes have all ended.
 
     Rank 0 executes the flow run itself; when another rank dies, torchrun stops rank 0 with
     SIGTERM and rank 0 reports the run Crashed, saying only that it was aborted by a termination
     signal; or, when its collective notices the dead peer first, Failed with the transport's
-    error (gloo's "connection closed by peer"). Either message is replaced (forced: Prefect
-    refuses Crashed over a final state). A run that completed or was cancelled is left as it is,
-    and so is one that failed when rank 0 (``failed_rank`` 0 or unknown) failed first: its own
-    exception says why."""
+    error (gloo's "connection closed by peer"). The Crashed message is replaced, and so is a
+    Failed one when ``replaces_failure`` (what ``message`` says came first: another rank than 0
+    died first, or the worker itself stopped every rank); forced, since Prefect refuses Crashed
+    over a final state. A run that completed or was cancelled is left as it is, and so is one
+    that failed when rank 0 failed first: its own exception says why."""
     state = (await client.read_flow_run(flow_run_id)).state
-    another_rank_first = failed_rank not in (None, 0)
-    if state is None or not state.is_final() or state.is_crashed() or (state.is_failed() and another_rank_first):
+    if state is None or not state.is_final() or state.is_crashed() or (state.is_failed() and replaces_failure):
         await client.set_flow_run_state(flow_run_id, Crashed(message=message), force=True)

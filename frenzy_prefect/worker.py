@@ -169,7 +169,8 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, Any, FrenzyWorkerResult]):
             with anyio.CancelScope(shield=True):
                 await self._release(flow_run, job, hold)
         if hold.lost.is_set():
-            await crash_naming_the_cause(self.client, flow_run.id, f"every rank was stopped: {hold.lost_reason}")
+            # (rank 0 may have reported its peers' stop as its own failure first: this is why)
+            await crash_naming_the_cause(self.client, flow_run.id, f"every rank was stopped: {hold.lost_reason}", replaces_failure=True)
         return result, cancelled
 
     async def _run_holding(
@@ -278,7 +279,7 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, Any, FrenzyWorkerResult]):
         stopped_here = cancelled.is_set() or (hold is not None and hold.lost.is_set())
         if code != 0 and group.failure and not stopped_here:  # name the rank, its node and the signal
             logger.error(group.failure)
-            await crash_naming_the_cause(self.client, flow_run.id, group.failure, failed_rank=group.failed_rank)
+            await crash_naming_the_cause(self.client, flow_run.id, group.failure, replaces_failure=group.failed_rank not in (None, 0))
         if code == SSH_UNREACHABLE and configuration.launcher == "ssh":
             logger.error(
                 f"ssh to {group.failed_host} failed (exit {code}): the host is unreachable, refused the key, or its host key "

@@ -326,7 +326,8 @@ def test_a_failed_run_is_named_crashed_only_when_another_rank_failed_first(stack
             states = []
             for rank in (1, 0):
                 run = await client.create_flow_run(training, state=Failed(message="RuntimeError: gloo: Connection closed by peer"))
-                await crash_naming_the_cause(client, run.id, f"rank {rank} on a10-node (pid 7) was killed by SIGKILL", failed_rank=rank)
+                died = f"rank {rank} on a10-node (pid 7) was killed by SIGKILL"
+                await crash_naming_the_cause(client, run.id, died, replaces_failure=rank != 0)
                 states.append((await client.read_flow_run(run.id)).state)
             return states
 
