@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BUCKET = "frenzy-demo"
 INCOMING = f"s3://{BUCKET}/incoming/stdlib-docs/"  # where the raw dataset lands
 POOL, CLUSTER = "frenzy", "local-hetero"
+MODEL = "gpt-nano-bpe"  # gpt-nano with room for the BPE preparation trains on the data (1,024 tokens)
 SETTLE_S = 3.0  # how long the landed files must stand still before the watcher announces them
 # Real English prose that ships with every Python: the standard library's own documentation.
 CORPUS_MODULES = (
@@ -147,7 +148,7 @@ def set_up(stack, args) -> str:
     print(f"Cluster:        {CLUSTER} (blocks/{CLUSTER}.yaml: 2 x A10, 2 x T4), the `{POOL}` pool's cluster (frenzy cluster use)")
     stack.start_worker(POOL)
     request = {
-        "model": "gpt-nano-bpe",
+        "model": MODEL,
         "global_batch": 32,
         "seq_len": 128,
         "steps": args.steps,
@@ -259,21 +260,17 @@ def wait_for(run_id, done, timeout_s: float = 900):
 
 
 def print_prepared() -> None:
-    """What preparation made of the files now under the prefix (its manifest, beside the prefix)."""
-    from frenzy_prefect.datasets.prepare import default_root
-    from frenzy_prefect.datasets.sources import list_sources
-    from frenzy_prefect.spec.dataset import Manifest
-    from frenzy_prefect.storage import filesystem
+    """What the run's preparation made of the files now under the prefix: asked again, the same
+    preparation finds its manifest by content hash and reads nothing else."""
+    from frenzy_prefect.datasets.prepare import for_model, prepare
+    from frenzy_prefect.profiling.model import resolve_model
 
-    files = list_sources(INCOMING).files
-    fs, root = filesystem(default_root(INCOMING))
-    for path in fs.glob(f"{root}/*/manifest.json"):
-        m = Manifest.model_validate_json(fs.cat_file(path))
-        if m.files == files:
-            print(
-                f"Prepared:       {m.documents:,} documents -> {m.tokens:,} tokens ({m.format} shards, a BPE of {m.vocab_size:,} "
-                f"tokens trained on the data) at {default_root(INCOMING)}/{m.content_hash}"
-            )
+    prepared = prepare(INCOMING, for_model(None, resolve_model(MODEL).vocab_size))
+    m = prepared.manifest
+    print(
+        f"Prepared:       {m.documents:,} documents -> {m.tokens:,} tokens ({m.format} shards, a BPE of {m.vocab_size:,} "
+        f"tokens trained on the data) at {prepared.manifest_uri.rsplit('/', 1)[0]}"
+    )
 
 
 def print_plans(run_id, shown: int = 4) -> None:
