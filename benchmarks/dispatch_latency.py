@@ -50,7 +50,7 @@ def main() -> None:
 
             from frenzy_prefect import allocator
             from frenzy_prefect.blocks import FrenzyCluster
-            from frenzy_prefect.deployments import deploy_flows
+            from frenzy_prefect.flows.deployments import deploy_flows
             from frenzy_prefect.profiling.dataset import profile_dataset
             from frenzy_prefect.profiling.model import resolve_model
             from frenzy_prefect.spec.cluster import ClusterSpec, ClusterState

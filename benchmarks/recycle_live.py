@@ -135,7 +135,7 @@ def make_job(tokens: Path, output: Path, dp: int, steps: int, **request):
 def rank_processes() -> list[tuple[psutil.Process, int, bool]]:
     """(process, rank, under a supervisor) of this job's live rank processes: torchrun's, and
     under recycle the supervisors' trainers (an incarnation each)."""
-    from frenzy_prefect.training.liveness import INCARNATION_ENV
+    from frenzy_prefect.training.resilient.liveness import INCARNATION_ENV
 
     found = []
     for p in psutil.Process().children(recursive=True):
@@ -201,7 +201,7 @@ class Observer(threading.Thread):
 
     def run(self) -> None:
         from frenzy_prefect.training.checkpoint import complete_checkpoints
-        from frenzy_prefect.training.liveness import INCARNATION_ENV
+        from frenzy_prefect.training.resilient.liveness import INCARNATION_ENV
 
         pending = list(self.schedule)
         while not self.done.is_set():

@@ -112,7 +112,7 @@ def _flow_training(args, stack, model) -> dict:
 
     from frenzy_prefect import allocator
     from frenzy_prefect.blocks import FrenzyCluster
-    from frenzy_prefect.deployments import deploy_flows
+    from frenzy_prefect.flows.deployments import deploy_flows
     from frenzy_prefect.profiling.dataset import profile_dataset
     from frenzy_prefect.spec.cluster import ClusterSpec, ClusterState
     from frenzy_prefect.spec.plan import ParallelPlan, TrainingJob

@@ -20,7 +20,7 @@ import json
 from prefect import flow, task
 from prefect.logging import get_run_logger
 
-from frenzy_prefect.flows import TRAINING_DEPLOYMENT, train_llm
+from frenzy_prefect.flows.training import TRAINING_DEPLOYMENT, train_llm
 from frenzy_prefect.spec.request import TrainingRequest
 from frenzy_prefect.spec.result import TrainingReport
 from frenzy_prefect.storage import exists

@@ -139,8 +139,8 @@ def set_up(stack, args) -> str:
     """The cluster block and the pool's cluster, a worker, the deployments; the name of the
     train-llm deployment that new data triggers."""
     from frenzy_prefect.blocks import FrenzyCluster
-    from frenzy_prefect.deployments import deploy_flows, deploy_on_new_data
-    from frenzy_prefect.pools import set_pool_cluster
+    from frenzy_prefect.flows.deployments import deploy_flows, deploy_on_new_data
+    from frenzy_prefect.pool.template import set_pool_cluster
     from frenzy_prefect.spec.request import TrainingRequest
 
     FrenzyCluster.from_file(ROOT / "blocks" / f"{CLUSTER}.yaml").save(CLUSTER, overwrite=True)
@@ -171,7 +171,8 @@ def land_and_train(stack, trainer: str):
     and wait for it: its report and flow run, or None (said why)."""
     from prefect.flow_runs import resume_flow_run
 
-    from frenzy_prefect.flows import default_output, watch_datasets
+    from frenzy_prefect.flows import watch_datasets
+    from frenzy_prefect.flows.training import default_output
     from frenzy_prefect.spec.result import TrainingReport
     from frenzy_prefect.storage import open_uri
 
@@ -292,7 +293,7 @@ def print_plans(run_id, shown: int = 4) -> None:
 
 
 def print_report(stack, found, started: float) -> None:
-    from frenzy_prefect.flows import default_output
+    from frenzy_prefect.flows.training import default_output
     from frenzy_prefect.units import gib
 
     report, run = found

@@ -2,6 +2,6 @@
 worker type and the FrenzyCluster block type."""
 
 from frenzy_prefect.blocks import FrenzyCluster
-from frenzy_prefect.worker import FrenzyWorker
+from frenzy_prefect.pool.worker import FrenzyWorker
 
 __all__ = ["FrenzyCluster", "FrenzyWorker"]

@@ -24,8 +24,8 @@ from prefect.client.schemas.filters import (
 from frenzy_prefect.blocks import CLUSTER_ENV, cluster_block_name
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.localstack import StackError
-from frenzy_prefect.storage_credentials import _env_of, credentials_env
-from frenzy_prefect.worker import FrenzyJobConfiguration, FrenzyWorker
+from frenzy_prefect.pool.worker import FrenzyJobConfiguration, FrenzyWorker
+from frenzy_prefect.storage.credentials import _env_of, credentials_env
 
 from .conftest import BUCKET, POOL_CLUSTER, ROOT, create_pool, deploy_all
 from .test_e2e import GOOD, children, wait_final

@@ -273,7 +273,7 @@ def test_train_llm_prepares_a_raw_prefix_then_trains_on_its_shards(stack, worker
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
     from prefect.deployments import run_deployment
 
-    from frenzy_prefect.flows import default_output
+    from frenzy_prefect.flows.training import default_output
     from frenzy_prefect.spec.result import TrainingReport
 
     from .test_e2e import children, wait_final

@@ -32,10 +32,10 @@ from prefect.client.schemas.filters import (
 )
 from prefect.client.schemas.objects import FlowRun
 
-from frenzy_prefect.flows import default_output
+from frenzy_prefect.flows.training import default_output
 from frenzy_prefect.launch.local import host_and_pids, is_running
 from frenzy_prefect.localstack import LocalStack, PostgresNotInstalled
-from frenzy_prefect.reservations import GpuReservations
+from frenzy_prefect.pool.reservations import GpuReservations
 from frenzy_prefect.spec.cluster import ClusterSpec
 from frenzy_prefect.spec.result import TrainingReport
 from frenzy_prefect.storage import exists, open_uri
@@ -202,7 +202,7 @@ def test_frenzy_deploy_creates_the_same_deployments(stack, worker_pool):
     assert "deployed train-llm/frenzy and distributed-train/frenzy" in out
     with stack.client_settings(), get_client(sync_client=True) as client:
         entrypoints = sorted(d.entrypoint for d in client.read_deployments() if d.name == "frenzy")
-    assert entrypoints == ["frenzy_prefect.flows.distributed_train", "frenzy_prefect.flows.train_llm"]
+    assert entrypoints == ["frenzy_prefect.flows.training.distributed_train", "frenzy_prefect.flows.training.train_llm"]
 
 
 def test_reports_are_json_a_pipeline_can_read(runs, dataset):
@@ -315,7 +315,7 @@ def test_a_failed_run_is_named_crashed_only_when_another_rank_failed_first(stack
     from prefect import flow
     from prefect.states import Failed
 
-    from frenzy_prefect.crash import crash_naming_the_cause
+    from frenzy_prefect.pool.crash import crash_naming_the_cause
 
     @flow
     def training():

@@ -25,7 +25,7 @@ from prefect.states import Cancelling
 
 from frenzy_prefect.launch.local import host_and_pids, is_running
 from frenzy_prefect.localstack import LocalStack
-from frenzy_prefect.reservations import RENEW_EVERY_S, VOLATILE_LEASE_STORAGE, GpuReservations
+from frenzy_prefect.pool.reservations import RENEW_EVERY_S, VOLATILE_LEASE_STORAGE, GpuReservations
 from frenzy_prefect.spec.cluster import ClusterSpec
 
 from .conftest import BUCKET, EXAMPLE_CLUSTER, POOL, deploy_all

@@ -11,7 +11,7 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
-from frenzy_prefect.flows import default_output
+from frenzy_prefect.flows.training import default_output
 from frenzy_prefect.spec.result import TrainingReport
 from frenzy_prefect.storage import open_uri
 

@@ -19,7 +19,7 @@ from frenzy_prefect.profiling.dataset import profile_dataset
 from frenzy_prefect.spec.plan import ParallelPlan, Placement, TrainingJob
 from frenzy_prefect.storage import open_uri
 from frenzy_prefect.training.checkpoint import complete_checkpoints
-from frenzy_prefect.training.liveness import INCARNATION_ENV
+from frenzy_prefect.training.resilient.liveness import INCARNATION_ENV
 
 from .conftest import BUCKET, ROOT
 from .test_resume import _whole_weights

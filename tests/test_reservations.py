@@ -11,7 +11,7 @@ import pytest
 from prefect.client.orchestration import get_client
 
 from frenzy_prefect.allocator.placement import place
-from frenzy_prefect.reservations import GpuReservations, gpu_limit
+from frenzy_prefect.pool.reservations import GpuReservations, gpu_limit
 from frenzy_prefect.spec.cluster import ClusterSpec
 from frenzy_prefect.spec.plan import Placement
 
@@ -92,7 +92,7 @@ def test_a_held_gpu_cannot_be_taken_and_is_free_once_released(stack, prefect_api
 
 def test_the_embedded_server_keeps_leases_where_a_restart_finds_them(stack, prefect_api):
     from frenzy_prefect.localstack import DURABLE_LEASE_STORAGE
-    from frenzy_prefect.reservations import volatile_lease_storage_warning
+    from frenzy_prefect.pool.reservations import volatile_lease_storage_warning
 
     async def scenario() -> tuple[str, str | None]:
         async with get_client() as client:
@@ -106,7 +106,7 @@ def test_the_embedded_server_keeps_leases_where_a_restart_finds_them(stack, pref
 
 def test_a_server_that_keeps_leases_in_memory_gets_a_warning_naming_the_setting(tmp_path):
     from frenzy_prefect.localstack import LocalStack
-    from frenzy_prefect.reservations import VOLATILE_LEASE_STORAGE, volatile_lease_storage_warning
+    from frenzy_prefect.pool.reservations import VOLATILE_LEASE_STORAGE, volatile_lease_storage_warning
 
     async def warning() -> str | None:
         async with get_client() as client:

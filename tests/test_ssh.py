@@ -23,11 +23,11 @@ from frenzy_prefect.launch.command import Launch
 from frenzy_prefect.launch.local import is_running, stop_process_groups
 from frenzy_prefect.launch.ssh import SSH_UNREACHABLE, SshSettings, start_ssh
 from frenzy_prefect.launch.torchrun import rank_launches
+from frenzy_prefect.pool.worker import FrenzyJobConfiguration, _check_pool_policy, _ssh_settings
 from frenzy_prefect.profiling.dataset import profile_dataset
 from frenzy_prefect.spec.plan import ParallelPlan, Placement
 from frenzy_prefect.storage import open_uri
 from frenzy_prefect.training.distributed import free_port
-from frenzy_prefect.worker import FrenzyJobConfiguration, _check_pool_policy, _ssh_settings
 
 from .conftest import BUCKET
 from .test_training import NANO, make_job, unchecked

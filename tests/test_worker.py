@@ -18,10 +18,10 @@ from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.launch.command import Launch
 from frenzy_prefect.launch.local import ProcessGroup, is_running, start_local
 from frenzy_prefect.launch.torchrun import rank_launches
+from frenzy_prefect.pool.worker import FrenzyJobConfiguration, FrenzyWorker, training_job_of
 from frenzy_prefect.profiling.dataset import profile_dataset
 from frenzy_prefect.spec.plan import ParallelPlan, Placement
 from frenzy_prefect.training.entry import JOB_ENV
-from frenzy_prefect.worker import FrenzyJobConfiguration, FrenzyWorker, training_job_of
 
 from .conftest import BUCKET, ROOT
 from .test_training import NANO, make_job, unchecked

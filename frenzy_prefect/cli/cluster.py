@@ -56,7 +56,7 @@ def deploy(
 ) -> None:
     """Create the train-llm/NAME and distributed-train/NAME deployments on POOL (and, with
     --on-new-data, a watch-datasets deployment and a train-llm one its events trigger)."""
-    from frenzy_prefect.deployments import deploy_flows, deploy_on_new_data
+    from frenzy_prefect.flows.deployments import deploy_flows, deploy_on_new_data
     from frenzy_prefect.spec.request import TrainingRequest
 
     if approve and on_new_data is None:
@@ -94,7 +94,7 @@ def pool_cluster(
 ) -> None:
     """Make CLUSTER the default cluster of a frenzy work pool (its base job template's `cluster`
     variable; a run's `cluster` parameter still overrides it)."""
-    from frenzy_prefect.pools import set_pool_cluster
+    from frenzy_prefect.pool.template import set_pool_cluster
 
     created = set_pool_cluster(pool, cluster)
     typer.echo(f"{'created' if created else 'updated'} work pool {pool!r} (type frenzy): its runs allocate on cluster {cluster!r}")

@@ -33,7 +33,7 @@ def main() -> None:
 
     stop, store, watcher = threading.Event(), _heartbeats_store(), None
     if store is not None:
-        from frenzy_prefect.training.liveness import watch_job_heartbeats
+        from frenzy_prefect.training.resilient.liveness import watch_job_heartbeats
 
         watcher = threading.Thread(target=watch_job_heartbeats, args=(*store, stop), name="frenzy-heartbeats", daemon=True)
         watcher.start()

@@ -14,9 +14,9 @@ import sys
 
 from frenzy_prefect.spec.plan import JOB_ENV, TrainingJob
 from frenzy_prefect.training.distributed import DistributedContext, PeerFailed
-from frenzy_prefect.training.generations import EXCLUDED_EXIT, Excluded
-from frenzy_prefect.training.liveness import INCARNATION_ENV
-from frenzy_prefect.training.supervisor import report_event, report_result, supervise
+from frenzy_prefect.training.resilient.generations import EXCLUDED_EXIT, Excluded
+from frenzy_prefect.training.resilient.liveness import INCARNATION_ENV
+from frenzy_prefect.training.resilient.supervisor import report_event, report_result, supervise
 from frenzy_prefect.training.trainer import train
 
 

@@ -24,9 +24,9 @@ from frenzy_prefect.training import checkpoint
 from frenzy_prefect.training.data import TokenWindows, replica_batches, step_batches, step_seed
 from frenzy_prefect.training.distributed import DistributedContext, together
 from frenzy_prefect.training.engine import Engine
-from frenzy_prefect.training.generations import FINISHED, Generation, Position, await_admission, finished_result
-from frenzy_prefect.training.liveness import Heartbeat, incarnation_from_env
-from frenzy_prefect.training.recycle_live import CHECKPOINT, Notify, RecycleSteps, share_from_live_replica
+from frenzy_prefect.training.resilient.generations import FINISHED, Generation, Position, await_admission, finished_result
+from frenzy_prefect.training.resilient.liveness import Heartbeat, incarnation_from_env
+from frenzy_prefect.training.resilient.steps import CHECKPOINT, Notify, RecycleSteps, share_from_live_replica
 
 T = TypeVar("T")
 StepRunner = Callable[[int, TokenWindows, "Progress"], float]  # (step, data, progress so far) -> the step's mean loss

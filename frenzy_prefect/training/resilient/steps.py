@@ -39,9 +39,9 @@ from frenzy_prefect.recycle.cache import PlanCache
 from frenzy_prefect.spec.plan import TrainingJob
 from frenzy_prefect.training.data import step_seed
 from frenzy_prefect.training.engine import Engine, MicroBatch
-from frenzy_prefect.training.generations import Generation, Interrupted, Position
-from frenzy_prefect.training.liveness import Log
-from frenzy_prefect.training.peer_state import share_stage_state
+from frenzy_prefect.training.resilient.generations import Generation, Interrupted, Position
+from frenzy_prefect.training.resilient.liveness import Log
+from frenzy_prefect.training.resilient.peer_state import share_stage_state
 
 T = TypeVar("T")
 STEP, CHECKPOINT = 0, 1  # the phases of a step (Position)

@@ -27,7 +27,7 @@ from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.client.schemas.objects import ConcurrencyLeaseHolder
 from prefect.exceptions import ObjectAlreadyExists, PrefectHTTPStatusError
 
-from frenzy_prefect.server_calls import patiently, without_client_retries
+from frenzy_prefect.pool.server_calls import patiently, without_client_retries
 from frenzy_prefect.spec.cluster import ClusterSpec, ClusterState
 from frenzy_prefect.spec.plan import Placement
 
@@ -38,7 +38,7 @@ _PAGE = 200
 T = TypeVar("T")
 _GONE = {404, 410}  # the server no longer knows the lease: expired, revoked or forgotten
 
-logger = logging.getLogger("frenzy_prefect.reservations")
+logger = logging.getLogger("frenzy_prefect.pool.reservations")
 
 
 def gpu_limit(cluster: str, node: str, index: int) -> str:

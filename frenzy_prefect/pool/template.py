@@ -17,7 +17,7 @@ def set_pool_cluster(pool: str, cluster: str) -> bool:
     from prefect.exceptions import ObjectNotFound
 
     from frenzy_prefect.blocks import load_cluster
-    from frenzy_prefect.worker import FrenzyWorker
+    from frenzy_prefect.pool.worker import FrenzyWorker
 
     load_cluster(cluster)  # refused now, not at the pool's first run
     with get_client(sync_client=True) as client:
@@ -36,7 +36,7 @@ def set_pool_cluster(pool: str, cluster: str) -> bool:
 def _with_cluster(template: dict[str, Any], cluster: str) -> dict[str, Any]:
     """``template`` with ``cluster`` as its cluster variable's default (a pool created before the
     variable existed gets the variable and its place in the job configuration)."""
-    from frenzy_prefect.worker import FrenzyWorker
+    from frenzy_prefect.pool.worker import FrenzyWorker
 
     default = FrenzyWorker.get_default_base_job_template()
     variables = template.setdefault("variables", {}).setdefault("properties", {})

@@ -18,7 +18,7 @@ from uuid import UUID
 
 from prefect.logging.handlers import APILogHandler
 
-from frenzy_prefect.cancellation import being_cancelled
+from frenzy_prefect.flows.cancellation import being_cancelled
 
 
 def restarts_left() -> int:

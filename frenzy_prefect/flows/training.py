@@ -1,34 +1,23 @@
-"""The flows users deploy: `train-llm` (the pipeline step), `distributed-train` (its ranks) and
-`prepare-dataset` (raw text to token shards, which `train-llm` also does first when given raw text)."""
+"""The training flows: `train-llm` (the pipeline step a data team adds) and `distributed-train` (its
+ranks, which the `frenzy` worker starts)."""
 
 from __future__ import annotations
 
-import hashlib
-import time
-
 from prefect import flow, pause_flow_run
 from prefect.context import FlowRunContext
-from prefect.events import emit_event
 from prefect.input import RunInput
 from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
 from prefect.states import Cancelled, State
-from prefect.variables import Variable
 from pydantic import Field
 
 from frenzy_prefect.blocks import cluster_block_name
-from frenzy_prefect.cancellation import sigterm_cancels_when_cancelling
-from frenzy_prefect.datasets.landing import Watch, fingerprint, listing_now, observe
-from frenzy_prefect.datasets.prepare import Prepared, for_model
+from frenzy_prefect.datasets.prepare import for_model
 from frenzy_prefect.errors import FrenzyError
-from frenzy_prefect.profiling.dataset import is_token_data
-from frenzy_prefect.reporting import TrainingReporter
-from frenzy_prefect.restarts import failures_restart_while_torchrun_can, restarts_left
-from frenzy_prefect.spec.dataset import Preparation
-from frenzy_prefect.spec.plan import PlanCandidate, TrainingJob
-from frenzy_prefect.spec.request import TrainingRequest
-from frenzy_prefect.spec.result import TrainingReport, TrainingResult
-from frenzy_prefect.tasks import (
+from frenzy_prefect.flows.cancellation import sigterm_cancels_when_cancelling
+from frenzy_prefect.flows.reporting import TrainingReporter
+from frenzy_prefect.flows.restarts import failures_restart_while_torchrun_can, restarts_left
+from frenzy_prefect.flows.tasks import (
     allocate,
     estimate_memory,
     prepare_dataset,
@@ -38,8 +27,12 @@ from frenzy_prefect.tasks import (
     report,
     train,
 )
+from frenzy_prefect.profiling.dataset import is_token_data
+from frenzy_prefect.spec.plan import PlanCandidate, TrainingJob
+from frenzy_prefect.spec.request import TrainingRequest
+from frenzy_prefect.spec.result import TrainingReport, TrainingResult
 from frenzy_prefect.training.distributed import DistributedContext
-from frenzy_prefect.training.supervisor import supervise
+from frenzy_prefect.training.resilient.supervisor import supervise
 from frenzy_prefect.training.trainer import train as train_ranks
 
 TRAINING_DEPLOYMENT = "distributed-train/frenzy"  # deployments named otherwise pass their own (deployments.py)
@@ -109,36 +102,6 @@ def train_llm(
     )
     result, training_run = train(job, training_deployment)
     return report(job, result, training_run)
-
-
-@flow(name="prepare-dataset")
-def prepare_dataset_flow(source: str, options: Preparation | None = None) -> Prepared:
-    """Tokenise the raw text under ``source`` (*.txt, *.jsonl, *.parquet) into token shards and a
-    manifest, once per content; ``train-llm`` trains on the manifest's URI. ``options`` names the
-    tokenizer, or the vocab_size of a BPE trained on the data."""
-    return prepare_dataset(source, options or Preparation())
-
-
-@flow(name="watch-datasets")
-def watch_datasets(prefix: str, settle_s: float = 60.0) -> str | None:
-    """Poll the raw dataset under ``prefix`` (run it on a schedule): once a new version's files
-    have stood still for ``settle_s``, emit one ``frenzy.dataset.landed`` event about it (resource
-    ``frenzy.dataset.<prefix>``; payload: prefix, version, files, bytes) and return its version.
-    What it saw is kept between runs in the Prefect variable ``frenzy-watch-<hash>``."""
-    key = "frenzy-watch-" + hashlib.sha256(prefix.encode()).hexdigest()[:16]
-    watch = Watch.model_validate(Variable.get(key, default=None) or {})
-    listing = listing_now(prefix)
-    version = fingerprint(listing) if listing else None
-    watch, landed = observe(watch, version, time.time(), settle_s)
-    if landed:
-        emit_event(
-            event="frenzy.dataset.landed",
-            resource={"prefect.resource.id": f"frenzy.dataset.{prefix}", "frenzy.prefix": prefix},
-            payload={"prefix": prefix, "version": version, "files": len(listing.files), "bytes": sum(f.size for f in listing.files)},
-        )
-        get_run_logger().info(f"dataset {prefix} landed: version {version}, {len(listing.files)} files")
-    Variable.set(key, watch.model_dump(), overwrite=True)
-    return version if landed else None
 
 
 @flow(name="distributed-train")

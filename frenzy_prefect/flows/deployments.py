@@ -10,7 +10,8 @@ from prefect import deploy
 from prefect.events import DeploymentEventTrigger
 from prefect.types.entrypoint import EntrypointType
 
-from frenzy_prefect.flows import distributed_train, train_llm, watch_datasets
+from frenzy_prefect.flows.datasets import watch_datasets
+from frenzy_prefect.flows.training import distributed_train, train_llm
 
 DEFAULT_NAME = "frenzy"
 

@@ -27,8 +27,8 @@ from collections.abc import Callable
 from frenzy_prefect.spec.plan import TrainingJob
 from frenzy_prefect.spec.result import TrainingResult
 from frenzy_prefect.training.distributed import DistributedContext
-from frenzy_prefect.training.generations import EXCLUDED_EXIT, finished_result
-from frenzy_prefect.training.liveness import HEARTBEAT_S, INCARNATION_ENV, Log, mark_dead
+from frenzy_prefect.training.resilient.generations import EXCLUDED_EXIT, finished_result
+from frenzy_prefect.training.resilient.liveness import HEARTBEAT_S, INCARNATION_ENV, Log, mark_dead
 
 RESULT, EVENT = "frenzy-result ", "frenzy-event "
 

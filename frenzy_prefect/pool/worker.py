@@ -33,20 +33,20 @@ from prefect.exceptions import InfrastructureNotAvailable
 from prefect.workers.base import BaseJobConfiguration, BaseWorker, BaseWorkerResult
 from pydantic import Field
 
-from frenzy_prefect import run_labels
 from frenzy_prefect.blocks import CLUSTER_ENV
-from frenzy_prefect.crash import crash_naming_the_cause
 from frenzy_prefect.errors import FrenzyError
-from frenzy_prefect.gpu_queue import GpuQueue, training_job_of
 from frenzy_prefect.launch.command import Launch
 from frenzy_prefect.launch.local import ProcessGroup, host_and_pids, start_local, stop_process_groups
 from frenzy_prefect.launch.ssh import SSH_UNREACHABLE, SshSettings, start_ssh
 from frenzy_prefect.launch.torchrun import rank_launches
-from frenzy_prefect.reclaim import reclaim_lost_runs
-from frenzy_prefect.reservations import LEASE_S, GpuHold, GpuReservations, volatile_lease_storage_warning
-from frenzy_prefect.server_calls import is_transient, patiently
+from frenzy_prefect.pool import run_labels
+from frenzy_prefect.pool.crash import crash_naming_the_cause
+from frenzy_prefect.pool.gpu_queue import GpuQueue, training_job_of
+from frenzy_prefect.pool.reclaim import reclaim_lost_runs
+from frenzy_prefect.pool.reservations import LEASE_S, GpuHold, GpuReservations, volatile_lease_storage_warning
+from frenzy_prefect.pool.server_calls import is_transient, patiently
 from frenzy_prefect.spec.plan import TrainingJob
-from frenzy_prefect.storage_credentials import credentials_env, with_credentials
+from frenzy_prefect.storage.credentials import credentials_env, with_credentials
 
 CANCEL_POLL_S = 1.0  # how often a running run's state is checked for cancellation
 

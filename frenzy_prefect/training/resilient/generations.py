@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.spec.result import TrainingResult
-from frenzy_prefect.training.liveness import Incarnation, Log, append
+from frenzy_prefect.training.resilient.liveness import Incarnation, Log, append
 
 RECOVERY_GRACE_S = 60.0  # how long survivors wait for a member that neither reports in nor is dead
 GROUP_TIMEOUT = timedelta(seconds=60)  # no survivor waits longer in a collective with a hung peer

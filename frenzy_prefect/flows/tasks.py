@@ -13,14 +13,14 @@ from prefect.utilities.asyncutils import run_coro_as_sync
 
 from frenzy_prefect import allocator
 from frenzy_prefect.blocks import load_cluster, save_node
-from frenzy_prefect.charts import loss_curve_png
 from frenzy_prefect.datasets.prepare import Prepared
 from frenzy_prefect.datasets.prepare import prepare as _prepare
 from frenzy_prefect.errors import ClusterBusy
+from frenzy_prefect.flows.charts import loss_curve_png
+from frenzy_prefect.pool.reservations import GpuReservations
 from frenzy_prefect.profiling.dataset import profile_dataset as _profile_dataset
 from frenzy_prefect.profiling.model import resolve_model
 from frenzy_prefect.profiling.nodes import node_of, read_gpus
-from frenzy_prefect.reservations import GpuReservations
 from frenzy_prefect.spec.cluster import ClusterSpec, ClusterState
 from frenzy_prefect.spec.dataset import DatasetInfo, Preparation
 from frenzy_prefect.spec.model import ModelSpec

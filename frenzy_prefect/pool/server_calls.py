@@ -26,7 +26,7 @@ TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
 SUBMIT_PATIENCE_S = 300.0  # a run's own bookkeeping may wait this long for the server
 _BACKOFF_S = (1.0, 2.0, 4.0, 8.0)  # then every max_backoff_s, each with +-25% jitter
 
-logger = logging.getLogger("frenzy_prefect.server_calls")
+logger = logging.getLogger("frenzy_prefect.pool.server_calls")
 
 
 def is_transient(exc: BaseException) -> bool:

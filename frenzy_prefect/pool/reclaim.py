@@ -30,9 +30,9 @@ from prefect.client.schemas.objects import FlowRun, StateType, WorkerStatus
 from prefect.states import Scheduled
 from prefect.workers.base import BaseWorker
 
-from frenzy_prefect import run_labels
 from frenzy_prefect.launch.local import host_and_pids, is_running, stop_process_groups
-from frenzy_prefect.reservations import LEASE_S
+from frenzy_prefect.pool import run_labels
+from frenzy_prefect.pool.reservations import LEASE_S
 
 RECLAIM_WINDOW_S = 3 * LEASE_S  # a lease outlives its last renewal by at most LEASE_S plus the server's sweep
 

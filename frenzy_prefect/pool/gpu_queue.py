@@ -25,10 +25,10 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, Fl
 from prefect.client.schemas.objects import FlowRun, StateType
 from pydantic import ValidationError
 
-from frenzy_prefect import run_labels
 from frenzy_prefect.allocator.placement import place
-from frenzy_prefect.reservations import GpuHold, GpuReservations
-from frenzy_prefect.server_calls import is_transient, patiently
+from frenzy_prefect.pool import run_labels
+from frenzy_prefect.pool.reservations import GpuHold, GpuReservations
+from frenzy_prefect.pool.server_calls import is_transient, patiently
 from frenzy_prefect.spec.plan import TrainingJob
 
 RETRY_S = 2.0  # how often a worker looks at the queue and the free GPUs again

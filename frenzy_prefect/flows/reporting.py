@@ -83,4 +83,4 @@ class TrainingReporter:
             try:
                 context.run(action)
             except Exception as exc:  # the UI's pictures are best effort; the training goes on
-                logging.getLogger("frenzy_prefect.reporting").warning(f"could not update the run's progress artifacts: {exc}")
+                logging.getLogger("frenzy_prefect.flows.reporting").warning(f"could not update the run's progress artifacts: {exc}")
