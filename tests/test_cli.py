@@ -1,6 +1,9 @@
-"""The `frenzy` command line: the estimate JSON contract, and one clear line for bad input."""
+"""The `frenzy` command line: the estimate JSON contract, one clear line for bad input, and the
+simulator examples of docs/cli.md, run on the traces a clone ships."""
 
 import json
+import re
+import shlex
 import subprocess
 import sys
 
@@ -240,3 +243,65 @@ def test_estimate_text_states_the_figure_and_the_default_sequence_length():
     assert "seq_len 512 (the model's max_seq_len; set --seq-len)" in out.stdout
     assert "tensor bytes only (no CUDA context, NCCL buffers or allocator fragmentation" in out.stdout
     assert "sequence parallelism on (default with tp > 1)" in out.stdout
+
+
+# The simulator examples docs/cli.md shows, each with its output: run as a user runs them, from the
+# repository root, on the traces in examples/traces/.
+JOBS_ON_THREE_TYPES = "--trace examples/traces/elasticflow-cluster01-80jobs.csv --cluster examples/clusters/three-types-64.yaml"
+DOCUMENTED_SIMULATIONS = [
+    f"frenzy simulate {JOBS_ON_THREE_TYPES} --policy frenzy",
+    f"frenzy simulate {JOBS_ON_THREE_TYPES} --policy first-fit",
+    "frenzy recycle simulate --trace examples/traces/p3-spot-first-2h.csv --dp 4 --pp 4 --microbatches 16 --policy recycle",
+    "frenzy recycle simulate --trace examples/traces/p3-spot-first-2h.csv --dp 4 --pp 4 --microbatches 16 --policy checkpoint_restart",
+]
+
+
+def _documented_output(command: str) -> str:
+    """The fenced block of docs/cli.md that starts with `$ COMMAND`: the command and its output."""
+    for block in re.findall(r"```\n(.*?)```", (ROOT / "docs" / "cli.md").read_text(), re.S):
+        if block.startswith(f"$ {command}\n"):
+            return block
+    pytest.fail(f"docs/cli.md shows no `$ {command}` example")
+
+
+def _figures(out: dict) -> list[str]:
+    """The figures of a run's JSON as its table prints them."""
+    if "jobs_total" in out:
+
+        def hours(key: str) -> str:
+            return f"{out[key] / 3600:.2f} h"
+
+        completed = f"{out['jobs_completed']} / {out['jobs_total']}"
+        return [completed, hours("avg_jct_s"), hours("p50_jct_s"), hours("p99_jct_s"), hours("makespan_s"), f"{out['gpu_utilization']:.1%}"]
+    events = ", ".join(f"{kind} {n}" for kind, n in out["counts"].items() if kind != "start")
+    return [
+        f"{out['throughput']:.2f} samples/s, {out['ratio']:.1%} of fault-free",
+        f"{out['span_throughput']:.2f} samples/s, {out['span_ratio']:.1%} of fault-free",
+        f"{out['fault_free_throughput']:.2f} samples/s",
+        events,
+        f"{out['downtime_s']:.0f} s / {out['stalled_s']:.0f} s",
+    ]
+
+
+@pytest.mark.parametrize("command", DOCUMENTED_SIMULATIONS)
+def test_the_documented_simulate_examples_run_on_the_shipped_traces(command):
+    shown = _documented_output(command)
+    argv = [sys.executable, "-m", "frenzy_prefect.cli", *shlex.split(command)[1:], "--json"]
+    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    stale = [figure for figure in _figures(json.loads(out.stdout)) if figure not in shown]
+    assert not stale, f"docs/cli.md's output of `{command}` lacks {stale}: run it and paste what it prints"
+
+
+def test_every_input_file_the_docs_name_ships_with_a_clone():
+    """A simulator example in the README or docs/ names files a clone has (FILE-style placeholders aside)."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    named = {
+        (page.name, path)
+        for page in pages
+        for path in re.findall(r"--(?:trace|gpu-types|mapping|step-time-table)[ =]([^\s`]+)", page.read_text())
+        if not path.isupper()
+    }
+    assert named, "no simulator example found in the docs"
+    missing = sorted((page, path) for page, path in named if not (ROOT / path).is_file())
+    assert not missing, f"the docs name files a clone lacks: {missing}"
