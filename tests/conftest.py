@@ -138,7 +138,7 @@ def deploy_all(stack: LocalStack, pool: str = POOL, name: str = "frenzy") -> Non
 
 
 def set_up_pool(stack: LocalStack, workers: tuple[str, ...] = ("frenzy-worker",)) -> str:
-    """What a user sets up by hand (README, Running it on your cluster): the example cluster block
+    """What a user sets up by hand (docs/cluster.md): the example cluster block
     (`frenzy cluster save`), a `frenzy` pool on it (`frenzy cluster use`) with worker processes,
     and the deployments of flows/prefect.yaml (`prefect deploy --all`)."""
     stack.run_cli("frenzy_prefect.cli", "cluster", "save", str(EXAMPLE_CLUSTER))

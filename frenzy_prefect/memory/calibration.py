@@ -11,7 +11,7 @@
 ``overhead_bytes`` is the sum of the three byte counts; the estimator adds it and
 ``(fragmentation - 1) * tensors`` to the tensors. Each value has its source text (a URL, or
 "assumed: <why>"). The packaged ``calibration.json`` holds documented assumptions for every
-catalog type (README, "The GPU around the tensors"); ``fit`` replaces them with values fitted
+catalog type (docs/memory.md, "The GPU around the tensors"); ``fit`` replaces them with values fitted
 from measured runs on the type (``frenzy calibrate``), kept in the file named by
 FRENZY_CALIBRATION or the packaged one. On CPU (no GPU type) everything is neutral: MemTracker
 counts tensor storage exactly.

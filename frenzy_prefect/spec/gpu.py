@@ -39,7 +39,7 @@ class MemoryMargin(BaseModel):
     while a plan with tp, pp and dp groups opens more (about 0.5-1 GB each on NVLink parts,
     NVIDIA/nccl#964, #1685: the floor is one of them); and fragmentation beyond the assumed 5%
     of the tensors. The tensors themselves are predicted to 1.4% at worst against MemTracker
-    (README, "Accuracy"). Set per cluster (``memory_margin`` in the cluster file)."""
+    (docs/memory.md, "Accuracy on this engine"). Set per cluster (``memory_margin`` in the cluster file)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
