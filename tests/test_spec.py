@@ -72,6 +72,22 @@ def test_train_llms_parameter_form_refuses_an_empty_or_blank_uri_or_name(field, 
     assert errors and all(list(e.path)[:2] == ["request", field] for e in errors), [e.message for e in errors]
 
 
+@pytest.mark.parametrize(("flow_name", "parameter"), [("prepare_dataset_flow", "source"), ("watch_datasets", "prefix")])
+def test_the_dataset_flows_refuse_an_empty_or_blank_raw_prefix_in_their_form_and_their_run(flow_name, parameter):
+    from prefect.exceptions import ParameterTypeError
+    from prefect.utilities.callables import parameter_schema
+    from prefect.utilities.schema_tools import validate
+
+    from frenzy_prefect.flows import datasets
+
+    flow = getattr(datasets, flow_name)
+    schema = parameter_schema(flow).model_dump_for_openapi()
+    assert validate({parameter: "s3://b/raw/"}, schema) == []
+    assert validate({parameter: ""}, schema) and validate({parameter: " "}, schema)
+    with pytest.raises(ParameterTypeError, match=f"{parameter}: Value error, is empty; expected the URI of raw text"):
+        flow.validate_parameters({parameter: " "})
+
+
 def test_optimizer_settings_are_validated_too():
     with pytest.raises(ValidationError) as exc:
         _request(optimizer={"name": "lamb"})

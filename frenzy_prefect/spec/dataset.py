@@ -51,6 +51,7 @@ class DatasetInfo(BaseModel):
         return self.shards or (TokenFile(uri=self.uri, tokens=self.tokens),)
 
 
+RawSource = named("the URI of raw text: a prefix (or file) of *.txt, *.jsonl and *.parquet files, e.g. s3://bucket/raw/")
 TokenizerUri = named("the URI of a tokenizer.json, or no value to train a BPE on the data")
 TextField = named("the JSONL field or Parquet column holding the text, e.g. text")
 EosToken = named("the token put after every document, e.g. <|endoftext|>, or no value for the default")
