@@ -88,6 +88,14 @@ def test_the_dataset_flows_refuse_an_empty_or_blank_raw_prefix_in_their_form_and
         flow.validate_parameters({parameter: " "})
 
 
+def test_a_long_bad_value_is_shown_cut_short():
+    # An invalid JSON document is the error's input, whole: a corrupt checkpoint manifest's
+    # megabytes of losses would otherwise fill the line that names it.
+    with pytest.raises(ValidationError) as exc:
+        _request(precision="x" * 10_000)
+    assert describe_validation_error(exc.value) == f"precision: Input should be 'fp32', 'bf16' or 'fp16' (got '{'x' * 76}...)"
+
+
 def test_optimizer_settings_are_validated_too():
     with pytest.raises(ValidationError) as exc:
         _request(optimizer={"name": "lamb"})
