@@ -29,13 +29,21 @@ class StorageUnreachable(FrenzyError):
     """The object store (S3 endpoint) cannot be reached."""
 
 
+SHOWN_INPUT_CHARS = 80
+
+
+def _shortened(text: str) -> str:
+    """``text`` cut to SHOWN_INPUT_CHARS: an invalid JSON document is the input, whole."""
+    return text if len(text) <= SHOWN_INPUT_CHARS else f"{text[: SHOWN_INPUT_CHARS - 3]}..."
+
+
 def describe_validation_error(exc: ValidationError) -> str:
     """One line per problem: ``field.path: message (got value)``."""
     lines = []
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"]) or exc.title
         got = err.get("input")
-        shown = "" if isinstance(got, dict) or got is None else f" (got {got!r})"
+        shown = "" if isinstance(got, dict) or got is None else f" (got {_shortened(repr(got))})"
         message = err["msg"].removeprefix("Value error, ")  # a validator's own sentence, not pydantic's label
         lines.append(f"{where}: {message}{shown}")
     return "; ".join(lines)

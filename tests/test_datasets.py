@@ -179,6 +179,30 @@ def test_a_vocabulary_over_65536_gives_uint32_shards_cut_at_shard_tokens_that_tr
         windows.close()
 
 
+def test_a_prepared_shard_of_the_wrong_size_or_with_ids_beyond_the_vocabulary_is_named(s3):
+    # A shard overwritten since (by another tokenizer's preparation, a truncated copy): the
+    # manifest still says complete, and training would fail on its first window there.
+    prefix = f"s3://{BUCKET}/raw-tampered/"
+    put(f"{prefix}a.txt", "\n".join(texts(4, seed=11)).encode())
+    prepared = prepare(prefix, Preparation(vocab_size=400, shard_tokens=100))
+    assert profile_dataset(prepared.manifest_uri, seq_len=16, vocab_size=400).shards
+    folder = prepared.manifest_uri.rsplit("/", 1)[0]
+    second = f"{folder}/{prepared.manifest.shards[1].name}"
+    with open_uri(second) as f:
+        ids = np.frombuffer(f.read(), dtype=np.uint16)
+
+    put(second, (ids + 400).tobytes())
+    assert len(ids) == 100
+    with pytest.raises(DatasetError, match=rf"dataset file {second}: token id {ids[0] + 400} at position 0 \(of 100\) is not below"):
+        profile_dataset(prepared.manifest_uri, seq_len=16, vocab_size=400)
+    put(second, ids[:-1].tobytes())
+    with pytest.raises(DatasetError, match=rf"its shard {second} is 198 bytes, not the 200 of the 100 uint16 ids its manifest says"):
+        profile_dataset(prepared.manifest_uri, seq_len=16, vocab_size=400)
+    filesystem(second)[0].rm(filesystem(second)[1])
+    with pytest.raises(DatasetError, match=rf"its shard {second} does not exist"):
+        profile_dataset(prepared.manifest_uri, seq_len=16, vocab_size=400)
+
+
 def test_raw_data_is_told_from_token_data(s3, dataset):
     put(f"s3://{BUCKET}/raw-kind/a.txt", b"hello there. " * 50)
     prepared = prepare(f"s3://{BUCKET}/raw-kind/", BPE)

@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 
 from frenzy_prefect.profiling.dataset import profile_dataset
 from frenzy_prefect.spec.plan import ParallelPlan, Placement, TrainingJob
-from frenzy_prefect.storage import filesystem, filesystem_options, open_uri
+from frenzy_prefect.storage import filesystem, filesystem_options, open_uri, write_bytes
 from frenzy_prefect.training import checkpoint
 from frenzy_prefect.training.checkpoint import MANIFEST, complete_checkpoints, step_uri
 from frenzy_prefect.training.distributed import DistributedContext, free_port
@@ -147,16 +147,22 @@ def test_a_checkpoint_resumes_on_another_plan_with_the_same_weights_and_loss_cur
     assert result.losses[3:] == pytest.approx(ref[3:], rel=1e-4), (result.losses, ref)
 
 
-def _train_rank(rank: int, port: int, job_json: str, env: dict) -> None:
+def _train_rank(rank: int, port: int, job_json: str, env: dict, log_file: str | None) -> None:
     os.environ.update(env | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     torch.set_num_threads(1)
-    train(TrainingJob.model_validate_json(job_json), DistributedContext(rank=rank, world_size=2), log=lambda _: None)
+
+    def log(line: str) -> None:  # rank 0's: what the run's logger hears
+        if rank == 0 and log_file:
+            with open(log_file, "a") as f:
+                f.write(line + "\n")
+
+    train(TrainingJob.model_validate_json(job_json), DistributedContext(rank=rank, world_size=2), log=log)
 
 
-def _start_ranks(job: TrainingJob) -> list[multiprocessing.Process]:
+def _start_ranks(job: TrainingJob, log_file: str | None = None) -> list[multiprocessing.Process]:
     spawn, port = multiprocessing.get_context("spawn"), free_port()
     env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
-    ranks = [spawn.Process(target=_train_rank, args=(r, port, job.model_dump_json(), env)) for r in (0, 1)]
+    ranks = [spawn.Process(target=_train_rank, args=(r, port, job.model_dump_json(), env, log_file)) for r in (0, 1)]
     for p in ranks:
         p.start()
     return ranks
@@ -199,6 +205,68 @@ def test_a_rank_killed_mid_write_leaves_the_previous_checkpoint_usable_and_the_t
     assert [p.exitcode for p in ranks] == [0, 0]
     assert losses_of(job) == ref
     assert complete_checkpoints(job.checkpoint_uri) == [sixth, step_uri(job.checkpoint_uri, 9)]
+
+
+def _half_written(uri: str) -> None:
+    """Leave the manifest at ``uri`` cut in half, as a storage fault or a copy gone wrong would."""
+    with open_uri(uri) as f:
+        raw = f.read()
+    write_bytes(uri, raw[: len(raw) // 2])
+
+
+def test_a_corrupt_newest_manifest_is_named_in_the_log_and_the_run_resumes_from_the_checkpoint_before(dataset, reference, tmp_path):
+    _, ref = reference
+    job = job_of(dataset, "corrupt-manifest", DP2)  # keeps 2: steps 6 and 9
+    assert launch(job)[0] == 0
+    sixth, ninth = step_uri(job.checkpoint_uri, 6), step_uri(job.checkpoint_uri, 9)
+    assert complete_checkpoints(job.checkpoint_uri) == [sixth, ninth]
+    _half_written(f"{ninth}/{MANIFEST}")
+
+    log = tmp_path / "rank-0.log"
+    ranks = _start_ranks(job, str(log))  # the run again, as a Prefect retry starts it
+    for p in ranks:
+        p.join(timeout=180)
+    assert [p.exitcode for p in ranks] == [0, 0]
+    lines = log.read_text().splitlines()
+    assert lines[0].startswith(f"warning: skipping the checkpoint at {ninth}: its manifest {ninth}/{MANIFEST} is corrupt: "), lines[:3]
+    assert lines[1].startswith(f"resumed from {sixth} (step 6,"), lines[:3]
+    assert lines[2].startswith("step 7/9 loss"), lines[:3]  # the first step trained after the restart
+    assert losses_of(job) == ref
+    assert checkpoint.latest(job.checkpoint_uri)[0] == ninth  # written again, whole
+
+
+@pytest.mark.parametrize(
+    "fault",
+    ["half-written manifest", "manifest of another step", "manifest lacking its losses", "no .metadata"],
+)
+def test_resume_and_pruning_pass_over_a_newer_corrupt_checkpoint_to_the_only_intact_one(dataset, reference, fault):
+    # The reference run's checkpoints of steps 6 and 9 (3 is left out), the newest spoilt.
+    source, _ = reference
+    target = job_of(dataset, "spoilt-" + fault.replace(" ", "-").replace(".", ""), DP2)
+    for step in (6, 9):
+        _copy_run(source, step, target)
+    sixth, ninth = step_uri(target.checkpoint_uri, 6), step_uri(target.checkpoint_uri, 9)
+    manifest = f"{ninth}/{MANIFEST}"
+    with open_uri(manifest, "r") as f:
+        fields = json.load(f)
+    if fault == "half-written manifest":
+        _half_written(manifest)
+    elif fault == "manifest of another step":
+        write_bytes(manifest, json.dumps(fields | {"step": 3}).encode())
+    elif fault == "manifest lacking its losses":
+        write_bytes(manifest, json.dumps({k: v for k, v in fields.items() if k != "losses"}).encode())
+    else:
+        fs, path = filesystem(f"{ninth}/.metadata")
+        fs.rm(path)
+
+    warnings: list[str] = []
+    uri, found = checkpoint.latest(target.checkpoint_uri, warn=warnings.append)
+    assert (uri, found.step) == (sixth, 6)
+    assert len(warnings) == 1 and warnings[0].startswith(f"warning: skipping the checkpoint at {ninth}: "), warnings
+    assert manifest in warnings[0] or ".metadata" in warnings[0], warnings
+
+    checkpoint.prune(target.checkpoint_uri, keep=1)  # keep_checkpoints=1: the corrupt step 9 is not the one kept
+    assert checkpoint.latest(target.checkpoint_uri)[0] == sixth
 
 
 def _rank_processes(agent_pids: list[int]) -> dict[int, psutil.Process]:

@@ -36,6 +36,66 @@ def test_bad_request_fields_are_named_with_what_is_accepted(field, value, expect
     assert describe_validation_error(exc.value) == expected
 
 
+BLANK_FIELDS = [
+    ("dataset", "", "dataset: is empty; expected the dataset's URI"),
+    ("dataset", " \t", "dataset: is empty; expected the dataset's URI"),
+    ("model", "", "model: is empty; expected a preset name"),
+    ("output", " ", "output: is empty; expected a URI prefix"),
+    ("prepare", {"tokenizer": ""}, "prepare.tokenizer: is empty; expected the URI of a tokenizer.json"),
+    ("prepare", {"text_field": " "}, "prepare.text_field: is empty; expected the JSONL field or Parquet column"),
+    ("prepare", {"eos_token": ""}, "prepare.eos_token: is empty; expected the token put after every document"),
+    ("prepare", {"output": ""}, "prepare.output: is empty; expected a URI prefix"),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "expected"), BLANK_FIELDS)
+def test_an_empty_or_blank_uri_or_name_is_refused_naming_the_field(field, value, expected):
+    # An empty form field arrives as "": as a dataset it named the worker's working directory.
+    with pytest.raises(ValidationError) as exc:
+        _request(**{field: value})
+    assert describe_validation_error(exc.value).startswith(expected), describe_validation_error(exc.value)
+
+
+@pytest.mark.parametrize(("field", "value", "expected"), BLANK_FIELDS)
+def test_train_llms_parameter_form_refuses_an_empty_or_blank_uri_or_name(field, value, expected):
+    # The schema Prefect's UI form and the server's parameter check validate against, generated
+    # from the flow's signature, checked by Prefect's own validator.
+    from prefect.utilities.callables import parameter_schema
+    from prefect.utilities.schema_tools import validate
+
+    from frenzy_prefect.flows.training import train_llm
+
+    schema = parameter_schema(train_llm).model_dump_for_openapi()
+    fine = dict(model="gpt-nano", dataset="s3://b/d.txt", global_batch=8, seq_len=64, steps=3, output="s3://b/runs/")
+    assert validate({"request": fine | {"prepare": {"tokenizer": "s3://b/tokenizer.json"}}}, schema) == []
+    errors = validate({"request": fine | {field: value}}, schema)
+    assert errors and all(list(e.path)[:2] == ["request", field] for e in errors), [e.message for e in errors]
+
+
+@pytest.mark.parametrize(("flow_name", "parameter"), [("prepare_dataset_flow", "source"), ("watch_datasets", "prefix")])
+def test_the_dataset_flows_refuse_an_empty_or_blank_raw_prefix_in_their_form_and_their_run(flow_name, parameter):
+    from prefect.exceptions import ParameterTypeError
+    from prefect.utilities.callables import parameter_schema
+    from prefect.utilities.schema_tools import validate
+
+    from frenzy_prefect.flows import datasets
+
+    flow = getattr(datasets, flow_name)
+    schema = parameter_schema(flow).model_dump_for_openapi()
+    assert validate({parameter: "s3://b/raw/"}, schema) == []
+    assert validate({parameter: ""}, schema) and validate({parameter: " "}, schema)
+    with pytest.raises(ParameterTypeError, match=f"{parameter}: Value error, is empty; expected the URI of raw text"):
+        flow.validate_parameters({parameter: " "})
+
+
+def test_a_long_bad_value_is_shown_cut_short():
+    # An invalid JSON document is the error's input, whole: a corrupt checkpoint manifest's
+    # megabytes of losses would otherwise fill the line that names it.
+    with pytest.raises(ValidationError) as exc:
+        _request(precision="x" * 10_000)
+    assert describe_validation_error(exc.value) == f"precision: Input should be 'fp32', 'bf16' or 'fp16' (got '{'x' * 76}...)"
+
+
 def test_optimizer_settings_are_validated_too():
     with pytest.raises(ValidationError) as exc:
         _request(optimizer={"name": "lamb"})

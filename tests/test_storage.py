@@ -4,11 +4,14 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 import torch
 
 from frenzy_prefect.errors import DatasetError, StorageUnreachable
 from frenzy_prefect.profiling.dataset import profile_dataset
+from frenzy_prefect.profiling.token_sample import BLOCK_BYTES, BLOCKS, EDGE_BYTES, sample_ranges
+from frenzy_prefect.spec.dataset import TokenFile
 from frenzy_prefect.storage import STALL_BOUND_S, filesystem, open_uri, write_bytes
 from frenzy_prefect.training.data import TokenWindows
 from frenzy_prefect.training.distributed import free_port
@@ -48,6 +51,53 @@ def test_unusable_datasets_say_why(s3, name, content, vocab, message):
     fs.pipe_file(path, content)
     with pytest.raises(DatasetError, match=message):
         profile_dataset(uri, seq_len=64, vocab_size=vocab)
+
+
+def test_a_uint16_file_of_an_odd_size_is_refused_naming_it_and_its_size(s3):
+    uri = f"s3://{BUCKET}/data/odd.bin"
+    fs, path = filesystem(uri)
+    fs.pipe_file(path, bytes(2 * 1000 + 1))
+    with pytest.raises(DatasetError, match=rf"dataset {uri} is 2,001 bytes, not a whole number of uint16 token ids \(2 bytes each\)"):
+        profile_dataset(uri, seq_len=64, vocab_size=50257)
+
+
+GPT2_VOCAB = 50257
+
+
+@pytest.mark.parametrize(
+    ("where", "position"),
+    [
+        ("tail", 99_999),  # the last id: a file with something appended, or the next tokenizer's ids
+        ("middle", None),  # all but the head and the tail: only the seeded blocks between see it
+    ],
+)
+def test_a_uint16_file_with_ids_beyond_the_vocabulary_is_refused_naming_the_id_and_its_position(s3, where, position):
+    ids = np.arange(100_000, dtype=np.uint16) % GPT2_VOCAB
+    edge = EDGE_BYTES // 2
+    if where == "tail":
+        ids[-1] = 50_300
+    else:
+        ids[edge:-edge] = 50_300
+    uri = f"s3://{BUCKET}/data/beyond-{where}.bin"
+    fs, path = filesystem(uri)
+    fs.pipe_file(path, ids.tobytes())
+    with pytest.raises(DatasetError) as exc:
+        profile_dataset(uri, seq_len=64, vocab_size=GPT2_VOCAB)
+    message = str(exc.value)
+    found = int(message.split(" at position ")[1].split(" ")[0].replace(",", ""))
+    assert message.startswith(f"dataset file {uri}: token id 50300 at position {found:,} (of 100,000) is not below the model's vocab_size")
+    assert found == position if position is not None else edge <= found < 100_000 - edge
+    assert "accepted: ids 0 to 50256" in message and "use a model whose vocab_size is above 50300" in message
+    assert profile_dataset(uri, seq_len=64, vocab_size=50_301).tokens == 100_000  # a larger vocabulary takes it
+
+
+def test_the_id_sample_is_the_same_size_for_a_file_of_100_gb():
+    def sampled(tokens: int) -> int:
+        return sum(n for _, _, n in sample_ranges((TokenFile(uri="s3://b/x.bin", tokens=tokens),), 2))
+
+    bound = (2 * EDGE_BYTES + BLOCKS * BLOCK_BYTES) // 2
+    assert sampled(50 * 10**9) == sampled(5 * 10**9) == bound
+    assert sampled(1000) == 16 * 1000 + 2 * 1000  # a small file: its ranges overlap (merged when read)
 
 
 def test_an_unreachable_endpoint_fails_fast_naming_uri_and_endpoint_not_the_secret(s3, monkeypatch):

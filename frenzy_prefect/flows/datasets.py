@@ -15,11 +15,11 @@ from prefect.variables import Variable
 from frenzy_prefect.datasets.landing import Watch, fingerprint, listing_now, observe
 from frenzy_prefect.datasets.prepare import Prepared
 from frenzy_prefect.flows.tasks import prepare_dataset
-from frenzy_prefect.spec.dataset import Preparation
+from frenzy_prefect.spec.dataset import Preparation, RawSource
 
 
 @flow(name="prepare-dataset")
-def prepare_dataset_flow(source: str, options: Preparation | None = None) -> Prepared:
+def prepare_dataset_flow(source: RawSource, options: Preparation | None = None) -> Prepared:
     """Tokenise the raw text under ``source`` (*.txt, *.jsonl, *.parquet) into token shards and a
     manifest, once per content; ``train-llm`` trains on the manifest's URI. ``options`` names the
     tokenizer, or the vocab_size of a BPE trained on the data."""
@@ -27,7 +27,7 @@ def prepare_dataset_flow(source: str, options: Preparation | None = None) -> Pre
 
 
 @flow(name="watch-datasets")
-def watch_datasets(prefix: str, settle_s: float = 60.0) -> str | None:
+def watch_datasets(prefix: RawSource, settle_s: float = 60.0) -> str | None:
     """Poll the raw dataset under ``prefix`` (run it on a schedule): once a new version's files
     have stood still for ``settle_s``, emit one ``frenzy.dataset.landed`` event about it (resource
     ``frenzy.dataset.<prefix>``; payload: prefix, version, files, bytes) and return its version.

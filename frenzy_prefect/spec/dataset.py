@@ -8,6 +8,8 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, model_validator
 
+from frenzy_prefect.spec.names import named
+
 TokenFormat = Literal["bytes", "uint16", "uint32"]
 ShardFormat = Literal["uint16", "uint32"]
 
@@ -49,12 +51,19 @@ class DatasetInfo(BaseModel):
         return self.shards or (TokenFile(uri=self.uri, tokens=self.tokens),)
 
 
+RawSource = named("the URI of raw text: a prefix (or file) of *.txt, *.jsonl and *.parquet files, e.g. s3://bucket/raw/")
+TokenizerUri = named("the URI of a tokenizer.json, or no value to train a BPE on the data")
+TextField = named("the JSONL field or Parquet column holding the text, e.g. text")
+EosToken = named("the token put after every document, e.g. <|endoftext|>, or no value for the default")
+PreparedUri = named("a URI prefix, e.g. s3://bucket/prepared/, or no value for the default")
+
+
 class Preparation(BaseModel):
     """How raw text (*.txt, *.jsonl, *.parquet under a prefix) becomes token shards."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    tokenizer: str | None = Field(
+    tokenizer: TokenizerUri | None = Field(
         default=None,
         description="URI of a Hugging Face tokenizer.json; default: a byte-level BPE trained on the data itself.",
     )
@@ -62,13 +71,13 @@ class Preparation(BaseModel):
         default=None,
         description="The trained BPE's vocabulary size (with its end-of-text token); default in train-llm: the model's vocab_size.",
     )
-    text_field: str = Field(default="text", description="The JSONL field, or Parquet column, that holds a document's text.")
-    eos_token: str | None = Field(
+    text_field: TextField = Field(default="text", description="The JSONL field, or Parquet column, that holds a document's text.")
+    eos_token: EosToken | None = Field(
         default=None,
         description="The token put after every document; default: the first of <|endoftext|>, </s>, <|end_of_text|>, <eos>, [SEP].",
     )
     shard_tokens: PositiveInt = Field(default=2**26, description="Tokens per shard file (the last one holds the rest).")
-    output: str | None = Field(
+    output: PreparedUri | None = Field(
         default=None,
         description="URI prefix the prepared dataset goes under, in <output>/<content hash>/; default: <prefix>/../frenzy-prepared.",
     )

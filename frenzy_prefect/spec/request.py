@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
 from frenzy_prefect.spec.dataset import Preparation
+from frenzy_prefect.spec.names import NOT_BLANK_SCHEMA, named, refuse_blank
 
 Precision = Literal["fp32", "bf16", "fp16"]
 # flash: fused SDPA that keeps only the log-sum-exp for its backward; eager: scores and softmax
@@ -55,6 +56,15 @@ class PlanPin(BaseModel):
         return " ".join(f"{name}={value}" for name, value in self.model_dump(exclude_none=True).items()) or "nothing pinned"
 
 
+# A mapping is a config itself; a string names one, so it may not be blank (refused before the
+# union tries both, for one error rather than one per member).
+ModelField = Annotated[
+    Annotated[str, NOT_BLANK_SCHEMA] | dict[str, Any],
+    refuse_blank("a preset name (see `frenzy presets`), the path or URI of a config.json, or the config as a mapping"),
+]
+DatasetUri = named("the dataset's URI, e.g. s3://bucket/data/train.bin or a prefix of raw text")
+OutputUri = named("a URI prefix, e.g. s3://bucket/runs/, or no value for the default beside the dataset")
+
 Resilience = Literal["restart", "recycle"]
 Objective = Literal["time", "cost"]
 
@@ -65,10 +75,10 @@ class TrainingRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str | dict[str, Any] = Field(
+    model: ModelField = Field(
         description=("A preset name (see `frenzy presets`), a path or URI of an HF-style config.json, or the config itself as a mapping."),
     )
-    dataset: str = Field(
+    dataset: DatasetUri = Field(
         description=(
             "URI of the dataset: *.txt (UTF-8 bytes as tokens), *.bin (uint16 token ids), a prepared dataset (its manifest.json "
             "or folder), or raw text to prepare first: a prefix (or file) of *.txt, *.jsonl and *.parquet files."
@@ -99,7 +109,7 @@ class TrainingRequest(BaseModel):
         description="Fix parts of the parallel plan, e.g. {'tp': 2, 'pp': 2}; the allocator chooses the rest. Default: all of it.",
     )
     seed: NonNegativeInt = 0
-    output: str | None = Field(
+    output: OutputUri | None = Field(
         default=None,
         description="URI prefix for the checkpoint and metrics; default: beside the dataset under frenzy-runs/.",
     )

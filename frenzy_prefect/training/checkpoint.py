@@ -9,7 +9,9 @@ Every rank writes its own pieces (``FsspecWriter`` over s3fs); ``dcp.save`` retu
 once the coordinator has written ``.metadata``, after all ranks' files; then a barrier, and rank 0
 writes the manifest. A checkpoint is complete when its manifest exists: a directory without one
 (a write torn by a crash) is ignored on resume and removed when the next checkpoint is pruned.
-The last ``keep`` complete checkpoints stay; older ones are deleted once the new manifest exists.
+Resume takes the newest intact one (complete, with DCP's ``.metadata`` and a manifest that
+reads): a complete one that is not is named in the run's log and skipped for the one before. The
+last ``keep`` intact checkpoints stay; older ones are deleted once the new manifest exists.
 
 What is saved is keyed by the WHOLE model's names and shapes (``Decoder`` naming, global layer
 indices), each rank describing which pieces of each tensor it holds (``Pieces``), so that DCP
@@ -29,15 +31,16 @@ DTensor offsets).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from itertools import islice
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
@@ -47,7 +50,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-from frenzy_prefect.errors import FrenzyError
+from frenzy_prefect.errors import FrenzyError, describe_validation_error
 from frenzy_prefect.spec.layout import padded_vocab
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import ParallelPlan
@@ -57,6 +60,11 @@ from frenzy_prefect.training.decoder import stage_layers, tp_split
 from frenzy_prefect.training.engine import Engine
 
 MANIFEST = "manifest.json"
+METADATA = ".metadata"  # DCP's index of every rank's pieces, written after all of them
+
+
+class CorruptCheckpoint(FrenzyError):
+    """A checkpoint whose manifest exists but does not read, or lacks DCP's index: resume skips it."""
 
 
 class Manifest(BaseModel):
@@ -74,23 +82,65 @@ def step_uri(prefix: str, step: int) -> str:
     return f"{prefix.rstrip('/')}/step-{step:06d}"
 
 
-def complete_checkpoints(prefix: str) -> list[str]:
-    """The complete checkpoints under ``prefix`` (those with a manifest), oldest first."""
+def _step_files(prefix: str) -> dict[int, set[str]]:
+    """The names of the files in each step directory under ``prefix``, by step (one listing)."""
     fs, path = filesystem(prefix)
+    root = path.rstrip("/")
     with reaching(prefix):
         fs.invalidate_cache()  # s3fs caches listings (a directory's too, which its parent's invalidation keeps); other ranks write here
-        manifests = fs.glob(f"{path.rstrip('/')}/step-*/{MANIFEST}")
-    return [step_uri(prefix, step) for step in sorted(_step_of(m.rsplit("/", 1)[0]) for m in manifests)]
+        found = fs.find(root)
+    steps: dict[int, set[str]] = {}
+    for file in found:
+        folder, _, name = file.removeprefix(f"{root}/").partition("/")
+        if folder.removeprefix("step-").isdigit() and name and "/" not in name:
+            steps.setdefault(_step_of(folder), set()).add(name)
+    return steps
 
 
-def latest(prefix: str) -> tuple[str, Manifest] | None:
-    """The latest complete checkpoint under ``prefix`` and its manifest, or None."""
-    found = complete_checkpoints(prefix)
-    if not found:
-        return None
-    fs, path = filesystem(f"{found[-1]}/{MANIFEST}")
-    with reaching(path):
-        return found[-1], Manifest.model_validate_json(fs.cat_file(path))
+def complete_checkpoints(prefix: str) -> list[str]:
+    """The complete checkpoints under ``prefix`` (those with a manifest), oldest first."""
+    return [step_uri(prefix, step) for step, names in sorted(_step_files(prefix).items()) if MANIFEST in names]
+
+
+def _intact_manifest(uri: str, names: set[str]) -> Manifest:
+    """The manifest of the checkpoint at ``uri``, whose directory holds the files ``names``;
+    CorruptCheckpoint, naming the file, if it does not parse, is of another step than its
+    directory's, or DCP's index of the pieces is missing."""
+    manifest_uri = f"{uri}/{MANIFEST}"
+    if METADATA not in names:
+        raise CorruptCheckpoint(f"it has a manifest but no {METADATA} (DCP's index of the pieces, written before the manifest)")
+    fs, path = filesystem(manifest_uri)
+    with reaching(manifest_uri):
+        raw = fs.cat_file(path)
+    try:
+        manifest = Manifest.model_validate_json(raw)
+    except ValidationError as exc:
+        raise CorruptCheckpoint(f"its manifest {manifest_uri} is corrupt: {describe_validation_error(exc)}") from None
+    if manifest.step != _step_of(uri):
+        raise CorruptCheckpoint(f"its manifest {manifest_uri} is of step {manifest.step}, not of its directory's step {_step_of(uri)}")
+    return manifest
+
+
+def intact_checkpoints(prefix: str, warn: Callable[[str], None] = lambda _: None) -> Iterator[tuple[str, Manifest]]:
+    """The intact checkpoints under ``prefix`` with their manifests, newest first: the complete
+    ones whose manifest reads (``_intact_manifest``). Each complete one that is not is skipped,
+    named to ``warn``; a torn one (no manifest) is skipped silently, as a crash leaves it."""
+    for step, names in sorted(_step_files(prefix).items(), reverse=True):
+        if MANIFEST not in names:
+            continue
+        uri = step_uri(prefix, step)
+        try:
+            manifest = _intact_manifest(uri, names)
+        except CorruptCheckpoint as exc:
+            warn(f"warning: skipping the checkpoint at {uri}: {exc}")
+            continue
+        yield uri, manifest
+
+
+def latest(prefix: str, warn: Callable[[str], None] = lambda _: None) -> tuple[str, Manifest] | None:
+    """The newest intact checkpoint under ``prefix`` and its manifest, or None; newer ones that
+    are corrupt are named to ``warn`` (``intact_checkpoints``)."""
+    return next(intact_checkpoints(prefix, warn), None)
 
 
 @dataclass
@@ -334,11 +384,12 @@ def load(engine: Engine, uri: str, manifest: Manifest) -> None:
 
 
 def prune(prefix: str, keep: int) -> None:
-    """Delete all but the last ``keep`` complete checkpoints, and torn ones older than those."""
-    kept = complete_checkpoints(prefix)[-keep:]
+    """Delete all but the newest ``keep`` intact checkpoints, and torn or corrupt ones older than
+    those. A corrupt one counts for nothing: it never displaces the only intact checkpoint."""
+    kept = [uri for uri, _ in islice(intact_checkpoints(prefix), keep)]
     if not kept:
         return
-    oldest = _step_of(kept[0])
+    oldest = _step_of(kept[-1])
     fs, path = filesystem(prefix)
     with reaching(prefix):
         names = [e.rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(path, detail=False, refresh=True)]

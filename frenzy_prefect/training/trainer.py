@@ -217,8 +217,9 @@ def _with_throughput(record: dict, first: int, step_s: list[float], request: Tra
 
 
 def _resume(job: TrainingJob, engine: Engine, log: Callable[[str], None]) -> checkpoint.Manifest | None:
-    """Load this run's latest complete checkpoint into ``engine``; returns its manifest, or None."""
-    found = checkpoint.latest(job.checkpoint_uri)
+    """Load this run's latest intact checkpoint into ``engine``; returns its manifest, or None.
+    A newer one whose manifest is corrupt is named in the log and skipped."""
+    found = checkpoint.latest(job.checkpoint_uri, warn=log)
     if found is None:
         return None
     uri, manifest = found
