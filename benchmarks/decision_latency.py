@@ -24,6 +24,7 @@ from frenzy_prefect.scheduling.jobs import SimJob, Waiting, sim_jobs
 from frenzy_prefect.scheduling.policies import make_policy
 from frenzy_prefect.scheduling.policies.base import Start
 from frenzy_prefect.scheduling.simulator import start_run
+from frenzy_prefect.scheduling.truth import MemoryTruth
 from frenzy_prefect.spec.cluster import ClusterSpec
 
 SIZES = [64, 512, 2048, 6212]
@@ -52,7 +53,7 @@ def snapshot(spec: ClusterSpec, jobs: list[SimJob], queue_length: int, rng: rand
         filler.prepare(job, cluster)
         for decision in filler.schedule(0.0, [Waiting(job)], cluster):
             if isinstance(decision, Start):
-                run = start_run(decision, cluster, -rng.uniform(0, 3600))
+                run = start_run(decision, cluster, -rng.uniform(0, 3600), MemoryTruth())
                 cluster.running[job.job_id] = run
     start = rng.randrange(len(jobs) - queue_length)
     return cluster, [Waiting(j) for j in jobs[start : start + queue_length]]

@@ -22,8 +22,8 @@ from frenzy_prefect.memory import estimate
 from frenzy_prefect.profiling.model import PRESETS
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import ParallelPlan
-from frenzy_prefect.spec.request import OptimizerSettings
-from frenzy_prefect.training.measure import Workload, measure
+from frenzy_prefect.spec.workload import Workload
+from frenzy_prefect.training.measure import Measurement, measure
 
 NANO = PRESETS["gpt-nano"]  # 4 layers, hidden 128, 4 heads, vocab 256, tied
 MICRO = PRESETS["gpt-micro"]  # 6 layers, hidden 256, 8 heads, vocab 256, tied
@@ -153,31 +153,19 @@ def run_one(
     attention: str = "flash",
     master_weights: bool = False,
 ) -> dict:
-    settings = OptimizerSettings(name=optimizer)
-    started = time.perf_counter()
     work = Workload(
-        model=model,
-        plan=plan,
         global_batch=global_batch,
         seq_len=seq_len,
         precision=precision,
-        optimizer=settings,
+        optimizer={"name": optimizer},
         attention=attention,
         master_weights=master_weights,
     )
-    ranks = measure(work)
+    started = time.perf_counter()
+    ranks = measure(Measurement(model=model, plan=plan, work=work))
     wall = time.perf_counter() - started
     measured = max(r.breakdown.total for r in ranks)
-    predicted = estimate(
-        model,
-        plan,
-        global_batch=global_batch,
-        seq_len=seq_len,
-        precision=precision,
-        optimizer_bytes_per_param=settings.state_bytes_per_parameter,
-        attention=attention,
-        master_weights=master_weights,
-    ).peak_bytes
+    predicted = estimate(model, plan, work).peak_bytes
     micro_batches = plan.accumulation(global_batch)
     megatron = memory_baselines.megatron(model, plan, seq_len=seq_len, precision=precision, micro_batches=micro_batches)
     deepspeed = memory_baselines.deepspeed(model, plan)

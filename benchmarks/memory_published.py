@@ -13,7 +13,10 @@ and by llm-analysis (in-process when importable, else with ``$LLM_ANALYSIS_PYTHO
   module names (``fsdp.reserved_allowance``); no other fragmentation allowance is added.
 
 The error is (predicted - measured) / measured. Prints a table and per-framework median and
-worst |error|, and writes JSON.
+worst |error|, in-sample and held out, and writes JSON. Each point's ``role`` says which:
+``modelling`` points were looked at while the framework modules were built (their errors are
+in-sample); ``held_out`` points were added after, only to report, and no constant is ever
+tuned to them (a point moves to ``modelling`` the moment one is).
 
     python -m benchmarks.memory_published [--json benchmarks/results/memory_published.json]
 """
@@ -33,6 +36,7 @@ from benchmarks import memory_baselines, write_result
 from frenzy_prefect.memory.frameworks import FsdpOptions, MegatronOptions, estimate, fsdp
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import ParallelPlan
+from frenzy_prefect.spec.workload import Workload
 
 DATA = Path(__file__).resolve().parent / "data" / "memory_published.json"
 GIB = 2**30
@@ -96,17 +100,8 @@ def plan_of(point: dict) -> ParallelPlan:
 def predicted(point: dict) -> tuple[int, str]:
     """(bytes comparable with the measurement, what they are)."""
     r, spec, plan = point["run"], model_of(point), plan_of(point)
-    result = estimate(
-        point["framework"],
-        spec,
-        plan,
-        global_batch=r["global_batch"],
-        seq_len=r["seq_len"],
-        precision=r["precision"],
-        optimizer_bytes_per_param=8,
-        attention=r.get("attention", "flash"),
-        options=options_of(point),
-    )
+    work = Workload(global_batch=r["global_batch"], seq_len=r["seq_len"], precision=r["precision"], attention=r.get("attention", "flash"))
+    result = estimate(point["framework"], spec, plan, work, options=options_of(point))
     rank = point["measured"].get("rank", "")
     stage_bytes = result.per_stage[-1].total if "last" in rank else result.peak_bytes
     quantity = "tensors (last stage)" if "last" in rank else "tensors (peak stage)"
@@ -167,6 +162,9 @@ def summary(rows: list[dict], key: str) -> dict:
     return {"points": len(errors), "median_abs_error": statistics.median(errors), "worst_abs_error": max(errors)}
 
 
+ROLES = ("modelling", "held_out")
+
+
 def row_of(point: dict, lla: dict) -> dict:
     measured = point["measured"]["bytes"]
     ours, quantity = predicted(point)
@@ -175,6 +173,7 @@ def row_of(point: dict, lla: dict) -> dict:
     plan = f"dp{r['dp']} tp{r['tp']} pp{r['pp']}" + (f" vpp{r['vpp']}" if r.get("vpp") else "") + f" mb{r['micro_batch']} z{r['zero']}"
     return {
         "id": point["id"],
+        "role": point["role"],
         "framework": point["framework"],
         "model": point["model"].get("name", ""),
         "plan": plan + f" {r['recompute']} {r.get('attention')}",
@@ -198,27 +197,34 @@ def main() -> None:
     points = json.loads(args.data.read_text())["points"]
     lla, lla_source = llm_analysis(points)
     rows = [row_of(p, lla) for p in points]
-    print(f"{'id':<46} {'framework':<9} {'plan':<36} {'measured GiB':>12} {'frenzy':>8} {'megatron-f':>10} {'llm-anal.':>9}")
+    print(f"{'id':<56} {'role':<9} {'framework':<9} {'plan':<36} {'measured GiB':>12} {'frenzy':>8} {'megatron-f':>10} {'llm-anal.':>9}")
     for r in rows:
         print(
-            f"{r['id']:<46} {r['framework']:<9} {r['plan']:<36} {r['measured_bytes'] / GIB:>12.2f}"
+            f"{r['id']:<56} {r['role']:<9} {r['framework']:<9} {r['plan']:<36} {r['measured_bytes'] / GIB:>12.2f}"
             f" {_pct(r['frenzy_error']):>8} {_pct(r['megatron_formula_error']):>10} {_pct(r['llm_analysis_error']):>9}"
         )
     print(f"\nllm-analysis: {lla_source}")
-    result = {"points": len(rows), "llm_analysis_source": lla_source, "per_framework": {}, "rows": rows}
-    for framework in sorted({r["framework"] for r in rows}):
-        subset = [r for r in rows if r["framework"] == framework]
-        stats = {key: summary(subset, f"{key}_error") for key in ("frenzy", "megatron_formula", "llm_analysis")}
-        result["per_framework"][framework] = {"points": len(subset), **stats}
-        for key, s in stats.items():
-            if s["points"]:
-                print(
-                    f"{framework:<9} {key:<17} n={s['points']:<3} median |error| {s['median_abs_error']:.1%}"
-                    f"   worst |error| {s['worst_abs_error']:.1%}"
-                )
-            else:
-                print(f"{framework:<9} {key:<17} n/a")
+    result = {"points": len(rows), "llm_analysis_source": lla_source, "per_framework": per_framework(rows), "rows": rows}
+    for framework, roles in result["per_framework"].items():
+        for role in ROLES:
+            for key, s in roles[role].items():
+                if key == "points":
+                    continue
+                figures = f"median |error| {s['median_abs_error']:.1%}   worst |error| {s['worst_abs_error']:.1%}" if s["points"] else "n/a"
+                print(f"{framework:<9} {role:<9} {key:<17} n={s['points']:<3} {figures}")
     write_result(result, args.json)
+
+
+def per_framework(rows: list[dict]) -> dict:
+    """Per framework and role (in-sample ``modelling``, ``held_out``): each predictor's median and worst |error|."""
+    out = {}
+    for framework in sorted({r["framework"] for r in rows}):
+        out[framework] = {}
+        for role in ROLES:
+            subset = [r for r in rows if r["framework"] == framework and r["role"] == role]
+            stats = {key: summary(subset, f"{key}_error") for key in ("frenzy", "megatron_formula", "llm_analysis")}
+            out[framework][role] = {"points": len(subset), **stats}
+    return out
 
 
 if __name__ == "__main__":

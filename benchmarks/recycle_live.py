@@ -117,7 +117,7 @@ def make_job(tokens: Path, output: Path, dp: int, steps: int, **request):
         log_every=steps,
         **request,
     )
-    memory = estimate(model, plan, global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, precision="fp32", optimizer_bytes_per_param=8)
+    memory = estimate(model, plan, req.workload)
     gpus = list(range(plan.gpus))
     allocation = Allocation(
         gpu_type="A10",
@@ -200,7 +200,7 @@ class Observer(threading.Thread):
         self.done = threading.Event()
 
     def run(self) -> None:
-        from frenzy_prefect.training.checkpoint import complete_checkpoints
+        from frenzy_prefect.training.manifest import complete_checkpoints
         from frenzy_prefect.training.resilient.liveness import INCARNATION_ENV
 
         pending = list(self.schedule)

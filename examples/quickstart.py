@@ -284,8 +284,8 @@ def print_plans(run_id, shown: int = 4) -> None:
         (artifact,) = client.read_artifacts(artifact_filter=only)
     rows = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
     print(f"Plans:          {len(rows)} ranked (the run's memory-estimates artifact); the first {shown}:")
-    columns = {"#": "#", "gpus": "GPUs", "plan": "plan", "peak GiB": "peak GiB", "step s (predicted)": "step s"}
-    columns |= {"total h (predicted)": "total h", "cost (predicted)": "cost USD", "fits": "fits"}
+    columns = {"#": "#", "gpus": "GPUs", "plan": "plan", "peak GiB": "peak GiB", "step time (predicted)": "step"}
+    columns |= {"total time (predicted)": "total", "cost (predicted)": "cost", "fits": "fits"}
     table = [list(columns.values())] + [[f"{r[k]} x {r['gpu']}" if k == "gpus" else r[k] for k in columns] for r in rows[:shown]]
     widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
     for line in table:
@@ -294,7 +294,7 @@ def print_plans(run_id, shown: int = 4) -> None:
 
 def print_report(stack, found, started: float) -> None:
     from frenzy_prefect.flows.training import default_output
-    from frenzy_prefect.units import gib
+    from frenzy_prefect.units import duration, gib, usd
 
     report, run = found
     a = report.allocation
@@ -305,8 +305,8 @@ def print_report(stack, found, started: float) -> None:
     print(f"Chosen plan:    {a.plan.gpus} x {a.gpu_type}, {a.plan.label()}")
     print(f"Placement:      {placed}")
     print(f"Predicted peak: {gib(a.memory.peak_bytes)} GiB per GPU (of {gib(a.gpu_memory_bytes, 1)} GiB)")
-    cost = "" if a.cost is None else f", {a.cost:.3g} USD at the cluster file's prices"
-    print(f"Predicted time: {a.step_time_s:.3g} s a step on the modelled GPUs, {a.total_time_s:.3g} s in all{cost}")
+    cost = "" if a.cost is None else f", {usd(a.cost)} at the cluster file's prices"
+    print(f"Predicted time: {duration(a.step_time_s)} a step on the modelled GPUs, {duration(a.total_time_s)} in all{cost}")
     print(f"Loss:           {report.loss_start:.4f} at step 1 -> {report.loss_end:.4f} at step {report.result.steps}")
     print(f"Throughput:     {report.result.tokens_per_s:,.0f} tokens/s on {report.result.world_size} ranks ({report.result.backend})")
     print(f"Checkpoint:     {report.result.checkpoint}")

@@ -29,6 +29,9 @@ import httpx
 from frenzy_prefect.training.distributed import free_port
 
 DURABLE_LEASE_STORAGE = "prefect.server.concurrency.lease_storage.filesystem"
+# How long a Prefect server or worker may take to come up, or a CLI command to run: under 30 s on
+# quiet cores, but over 120 s measured on 2 cores shared by a dozen busy processes.
+START_TIMEOUT_S = 300
 LOCAL_S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "frenzy-local", "AWS_SECRET_ACCESS_KEY": "frenzy-local", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
@@ -240,7 +243,7 @@ class LocalStack:
         server_env = self.env | ({"PREFECT_SERVER_DATABASE_CONNECTION_URL": database_url} if database_url else {})
         argv = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
         self._spawn("prefect-server", argv, env=server_env)
-        self._wait_until("prefect-server", lambda: httpx.get(f"{api}/health").status_code == 200, 120)
+        self._wait_until("prefect-server", lambda: httpx.get(f"{api}/health").status_code == 200, START_TIMEOUT_S)
         self.env["PREFECT_API_URL"] = api
         self.ui_url = f"http://127.0.0.1:{port}"
         return api
@@ -257,11 +260,11 @@ class LocalStack:
         argv = [str(a) for a in self.processes["prefect-server"].args]
         self._spawn("prefect-server", argv, self._spawn_envs["prefect-server"] | settings)
         api = self.env["PREFECT_API_URL"]
-        self._wait_until("prefect-server", lambda: httpx.get(f"{api}/health").status_code == 200, 120)
+        self._wait_until("prefect-server", lambda: httpx.get(f"{api}/health").status_code == 200, START_TIMEOUT_S)
 
     def run_cli(self, *args: str) -> str:
         """A `prefect`/`frenzy` CLI command against this stack; its output, or StackError."""
-        proc = subprocess.run([sys.executable, "-m", *args], env=self.env, capture_output=True, text=True, timeout=120)
+        proc = subprocess.run([sys.executable, "-m", *args], env=self.env, capture_output=True, text=True, timeout=START_TIMEOUT_S)
         if proc.returncode:
             raise StackError(f"{' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
         return proc.stdout
@@ -276,7 +279,7 @@ class LocalStack:
             self.run_cli("prefect", "work-pool", "create", pool, "--type", "frenzy")
         argv = [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--name", name]
         proc = self._spawn(name, argv + (["--limit", str(limit)] if limit else []))
-        self._wait_until(name, lambda: "started!" in (self.logs / f"{name}.log").read_text(errors="replace"), 120)
+        self._wait_until(name, lambda: "started!" in (self.logs / f"{name}.log").read_text(errors="replace"), START_TIMEOUT_S)
         return proc
 
     @contextmanager

@@ -34,6 +34,15 @@ POOL_CLUSTER = "local-hetero"  # the test pool's `cluster` variable: train-llm's
 WORKER_LIMIT = 10  # runs a test worker holds at once: a crowd of 14 spills over to a second worker
 
 
+def without_real_part(part: str, why: str) -> None:
+    """A test cannot have ``part`` (postgresql, chromium, sshd): it skips saying ``why``, unless
+    scripts/test found or installed that part here (FRENZY_REAL_PARTS, scripts/system-packages),
+    where it fails: a real part the suite vouches for never skips silently."""
+    if part in os.environ.get("FRENZY_REAL_PARTS", "").split():
+        pytest.fail(f"{part} should be usable here (scripts/test found or installed it), but {why}")
+    pytest.skip(f"{why} (scripts/test installs it where it can: root and apt-get)")
+
+
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     with LocalStack(tmp_path_factory.mktemp("stack")) as s:
@@ -137,14 +146,15 @@ def deploy_all(stack: LocalStack, pool: str = POOL, name: str = "frenzy") -> Non
     stack.run_cli("prefect", "--no-prompt", "deploy", "--all", "--prefect-file", str(ROOT / "flows" / "prefect.yaml"))
 
 
-def set_up_pool(stack: LocalStack, workers: tuple[str, ...] = ("frenzy-worker",)) -> str:
+def set_up_pool(stack: LocalStack, workers: tuple[str, ...] = ("frenzy-worker",), limit: int = WORKER_LIMIT) -> str:
     """What a user sets up by hand (docs/cluster.md): the example cluster block
     (`frenzy cluster save`), a `frenzy` pool on it (`frenzy cluster use`) with worker processes,
-    and the deployments of flows/prefect.yaml (`prefect deploy --all`)."""
+    and the deployments of flows/prefect.yaml (`prefect deploy --all`); each worker holds at
+    most ``limit`` runs at once."""
     stack.run_cli("frenzy_prefect.cli", "cluster", "save", str(EXAMPLE_CLUSTER))
     stack.run_cli("frenzy_prefect.cli", "cluster", "use", POOL_CLUSTER, "--pool", POOL)
     for name in workers:
-        stack.start_worker(POOL, name=name, limit=WORKER_LIMIT)
+        stack.start_worker(POOL, name=name, limit=limit)
     deploy_all(stack)
     return POOL
 
@@ -153,3 +163,16 @@ def set_up_pool(stack: LocalStack, workers: tuple[str, ...] = ("frenzy-worker",)
 def worker_pool(stack: LocalStack, s3: str, prefect_api: str) -> str:
     """The session stack's pool, with one worker."""
     return set_up_pool(stack)
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    """A real Slurm cluster (tests/slurm_cluster.py: nodes n1, n2 with two a10 GPUs each, n3, n4
+    with two h100, device cgroups), stopped by PID at the session's end; the test skips, saying
+    why, where it cannot run (fails where scripts/test vouches for Slurm: without_real_part)."""
+    from .slurm_cluster import missing, slurm_cluster
+
+    if why := missing():
+        without_real_part("slurm", why)
+    with slurm_cluster() as cluster:
+        yield cluster

@@ -7,12 +7,14 @@ from hypothesis import strategies as st
 
 from frenzy_prefect import allocator
 from frenzy_prefect.allocator.placement import place
+from frenzy_prefect.allocator.space import divisors, plan_space, shapes
 from frenzy_prefect.errors import ClusterBusy, NoFeasiblePlan
 from frenzy_prefect.profiling.model import PRESETS
 from frenzy_prefect.spec.cluster import ClusterSpec, ClusterState, Node
 from frenzy_prefect.spec.gpu import MemoryMargin
 from frenzy_prefect.spec.plan import PlanCandidate
 from frenzy_prefect.spec.request import PlanPin, TrainingRequest
+from frenzy_prefect.spec.workload import MAX_GLOBAL_BATCH
 from frenzy_prefect.units import GIB
 
 from .conftest import EXAMPLE_CLUSTER, ROOT
@@ -195,8 +197,53 @@ def test_a_pinned_part_of_the_plan_is_kept_and_the_allocator_chooses_the_rest():
     assert cands and all(c.plan.pp == 2 for c in cands)
     assert len({(c.plan.dp, c.plan.micro_batch, c.plan.zero, c.plan.recompute) for c in cands}) > 1  # the rest is chosen
     impossible = req.model_copy(update={"plan": PlanPin(tp=3)})  # gpt-nano's 4 heads do not split three ways
-    with pytest.raises(NoFeasiblePlan, match=r"^no plan with tp=3 runs on cluster .*: tp must split the heads evenly"):
+    with pytest.raises(NoFeasiblePlan, match=r"^no plan with tp=3 runs on cluster .*: tp=3 does not split gpt-nano's heads \(4\)"):
         allocator.candidate_plans(PRESETS["gpt-nano"], impossible, CLUSTER)
+
+
+@pytest.mark.parametrize(
+    ("pin", "request_", "reason"),
+    [
+        ({"tp": 5}, {}, "tp=5 does not split gpt2-small's heads (12), kv_heads, hidden and ffn evenly; accepted on this cluster: [1, 2]"),
+        ({"tp": 4}, {}, "tp=4 does not fit in one node (the largest has 2 GPUs); accepted on this cluster: [1, 2]"),
+        ({"pp": 64}, {}, "pp=64 exceeds gpt2-small's 12 layers; accepted: [1, 2, 4, 8]"),
+        ({"pp": 3}, {}, "pp=3 is not a power of two; accepted: [1, 2, 4, 8]"),
+        ({"dp": 3}, {}, "dp=3 does not divide global_batch (64)"),
+        ({"dp": 2, "micro_batch": 64}, {}, "dp x micro_batch = 2 x 64 does not divide global_batch (64); micro-batches that do: [1, 2, 4"),
+        ({"dp": 2, "pp": 2}, {}, "dp x tp x pp is at least 2 x 1 x 2 = 4 GPUs, and cluster 'local-hetero' has at most 2 of one type"),
+        ({"zero": 2, "pp": 2}, {}, "zero=2 runs through DeepSpeed, which refuses it with pipelines"),
+        ({"zero": 1, "dp": 1}, {}, "zero=1 shards over data-parallel replicas: it needs dp >= 2"),
+        ({"tp": 2}, {"resilience": "recycle"}, "resilience 'recycle' cannot run plan dp=2 tp=2 pp=2"),
+        ({"tp": 2}, {"precision": "fp16"}, "fp16 loss scaling is implemented for plain data parallelism"),
+    ],
+)
+def test_a_pin_no_plan_can_keep_is_refused_naming_the_one_constraint_it_breaks(pin, request_, reason):
+    fields = {"global_batch": 64, "seq_len": 256, "precision": "fp32", "plan": pin} | request_
+    req = TrainingRequest(model="gpt2-small", dataset="s3://b/d.txt", steps=1, **fields)
+    with pytest.raises(NoFeasiblePlan) as exc:
+        allocator.candidate_plans(PRESETS["gpt2-small"], req, CLUSTER)
+    message = str(exc.value)
+    assert message.startswith(f"no plan with {req.plan.label()} runs on cluster 'local-hetero': ") and reason in message
+    assert "pp at most the layers" not in message  # the constraint it breaks, not the list of every constraint
+
+
+def test_a_search_larger_than_the_bound_is_refused_with_its_size_before_it_runs():
+    many = ClusterSpec.from_file(ROOT / "examples" / "clusters" / "three-types-64.yaml")
+    req = TrainingRequest(model="gpt2-small", dataset="s3://b/d.txt", steps=1, global_batch=5040, seq_len=1024, precision="bf16")
+    with pytest.raises(NoFeasiblePlan, match=r"spans 13,416 plans, more than the 10,000 it covers .* \(5,040 has 60\)"):
+        allocator.candidate_plans(PRESETS["gpt2-small"], req, many)
+    pinned = req.model_copy(update={"plan": PlanPin(tp=1, pp=1)})  # what the refusal suggests: a pin narrows the search
+    assert all(c.plan.tp == c.plan.pp == 1 for c in allocator.candidate_plans(PRESETS["gpt2-small"], pinned, many))
+
+
+def test_the_plan_space_is_the_divisors_of_the_batch_found_without_scanning_it():
+    assert divisors(1) == [1] and divisors(12) == [1, 2, 3, 4, 6, 12] and divisors(49) == [1, 7, 49]
+    assert divisors(MAX_GLOBAL_BATCH) == [1 << k for k in range(25)]
+    for n in range(1, 300):
+        assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
+    plans = list(plan_space(PRESETS["gpt-nano"], 12, 4, 2))
+    assert {(p.dp, p.micro_batch) for p in plans} == {(d, m) for d in (1, 2, 3, 4) for m in divisors(12 // d)}
+    assert len(plans) == sum(s.size for s in shapes(PRESETS["gpt-nano"], 12, 4, 2))
 
 
 PRICED = CLUSTER.model_copy(update={"prices": {"A10": 1.0, "T4": 0.2}})  # the T4 much cheaper than the example's

@@ -181,12 +181,19 @@ def aws_pool(stack, worker_pool, dataset) -> str:
     return pool
 
 
-def _everything_shown(stack, run) -> str:
-    """A run's and its children's state messages, parameters, logs and artifacts, as text."""
+def _everything_shown(stack, run, logged: str, timeout_s: float = 60) -> str:
+    """A run's and its children's state messages, parameters, logs and artifacts, as text, once
+    their logs hold ``logged`` (logs reach the server in batches, at times after the last state)."""
     runs = [run, *children(stack, run)]
     ids = [r.id for r in runs]
+    deadline = time.monotonic() + timeout_s
     with stack.client_settings(), get_client(sync_client=True) as client:
-        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=ids)))
+        while True:
+            logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=ids)))
+            if any(logged in log.message for log in logs):
+                break
+            assert time.monotonic() < deadline, f"no log of {run.name} says {logged!r}"
+            time.sleep(1)
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=ids)))
         runs = [client.read_flow_run(i) for i in ids]
     parts = [f"{r.state.message} {r.parameters} {r.job_variables}" for r in runs]
@@ -206,10 +213,8 @@ def test_s3_credentials_from_an_aws_credentials_block_reach_every_process_and_ne
     (training,) = children(stack, ok)
     assert training.state.is_completed() and training.work_pool_name == aws_pool  # the ranks read and wrote S3 too
     assert missing.state.is_failed() and f"{absent} does not exist" in missing.state.message
-    for run in (ok, missing):
-        shown = _everything_shown(stack, run)
-        assert "step 2/2" in shown or "does not exist" in shown  # the logs were read
-        assert SECRET not in shown
+    for run, logged in ((ok, "step 2/2"), (missing, f"{absent} does not exist")):  # what each run's logs say
+        assert SECRET not in _everything_shown(stack, run, logged)
 
 
 @pytest.mark.pipelines

@@ -1,20 +1,25 @@
 """memory.frameworks: Megatron-LM's and torchtitan FSDP2's model states and refusals (pure, fast)."""
 
+import json
+from pathlib import Path
+
 import pytest
 
+from benchmarks import memory_published as published
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.memory.frameworks import MegatronOptions, estimate
 from frenzy_prefect.memory.frameworks import megatron as mg
 from frenzy_prefect.profiling.model import PRESETS
 from frenzy_prefect.spec.plan import ParallelPlan
+from frenzy_prefect.spec.workload import Workload
 
 LLAMA = PRESETS["llama-3.1-8b"]
 GPT = PRESETS["gpt2-small"]
 
 
-def _run(framework, plan, model=GPT, **kw):
-    args = dict(global_batch=plan.dp * plan.micro_batch * plan.pp, seq_len=1024, precision="bf16", optimizer_bytes_per_param=8) | kw
-    return estimate(framework, model, plan, **args)
+def _run(framework, plan, model=GPT, options=None, **work):
+    work = dict(global_batch=plan.dp * plan.micro_batch * plan.pp, seq_len=1024, precision="bf16") | work
+    return estimate(framework, model, plan, Workload(**work), options=options)
 
 
 def test_megatron_model_states_are_18_bytes_per_parameter_without_the_distributed_optimizer():
@@ -87,5 +92,24 @@ def test_frenzy_is_the_engine_estimate_unchanged():
     from frenzy_prefect.memory.analytic import estimate as engine
 
     plan = ParallelPlan(dp=2, micro_batch=2)
-    kw = dict(global_batch=4, seq_len=256, precision="bf16", optimizer_bytes_per_param=8)
-    assert _run("frenzy", plan, **kw) == engine(GPT, plan, **kw)
+    work = Workload(global_batch=4, seq_len=256, precision="bf16")
+    assert _run("frenzy", plan, global_batch=4, seq_len=256) == engine(GPT, plan, work)
+
+
+def test_the_published_points_keep_a_held_out_split_and_the_docs_quote_both_figures():
+    """Each published GPU point says whether the modules were built against it (in-sample) or it
+    is held out; no measurement is in both; docs/memory.md quotes MARP's median and worst
+    |error| on each split as the benchmark computes them now."""
+    points = json.loads(published.DATA.read_text())["points"]
+    assert {p["role"] for p in points} == set(published.ROLES)
+    sources = {role: {p["source"]["path"] for p in points if p["role"] == role} for role in published.ROLES}
+    assert not sources["modelling"] & sources["held_out"]
+    stats = published.per_framework([published.row_of(p, {}) for p in points])
+    assert stats["megatron"]["held_out"]["points"] > 0
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "memory.md").read_text()
+    for framework, roles in stats.items():
+        for role, s in roles.items():
+            if s["points"]:
+                figures = f"{s['frenzy']['median_abs_error']:.1%} / {s['frenzy']['worst_abs_error']:.1%}"
+                quoted = f"| {framework} | {role.replace('_', ' ')} | {s['points']} | {figures} |"
+                assert quoted in docs, quoted

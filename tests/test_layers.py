@@ -24,8 +24,10 @@ LAYERS: list[set[str]] = [
     {"memory"},
     {"allocator"},
     {"pipeline"},  # schedules as data (torch-free): the engine executes them, ReCycle plans them
+    {"torch_private"},  # the private torch APIs the trainer uses, each checked (tests/test_private_apis.py)
     {"training", "launch", "scheduling", "recycle"},  # the rest of the core
     # The Prefect shell.
+    {"prefect_private"},  # the private Prefect APIs the shell uses, each checked (tests/test_private_apis.py)
     {"blocks", "storage.credentials"},
     {"pool"},  # the `frenzy` work pool: its worker, GPU queue and leases
     {"flows"},  # the flows, their tasks and deployments (tasks read free GPUs through the pool's leases)
@@ -40,6 +42,9 @@ FORBIDDEN = [("training", "memory")]
 # Packages that must run without torch or Prefect installed, with everything they import.
 PURE = ["pipeline", "datasets"]
 HEAVY = ("torch", "prefect", "deepspeed")
+# Modules, within a layer that may use torch, that must not: the Slurm launcher's watcher and its
+# nodes' side (started before any rank, on every node and for every run) and its inventory.
+LIGHT = ["frenzy_prefect.launch.slurm", "frenzy_prefect.launch.slurm_job", "frenzy_prefect.launch.slurm_inventory"]
 
 
 def _module_name(path: Path) -> str:
@@ -93,16 +98,25 @@ def _external_imports(path: Path) -> set[str]:
     return names
 
 
-def test_the_pure_packages_import_neither_torch_nor_prefect():
+def _heavy_imports(roots: set[str]) -> list[str]:
+    """What ``roots``, and everything of the package they import, import of HEAVY."""
     graph, modules = _import_graph(), _modules()
-    seen = {m for m in modules if m != "frenzy_prefect" and _component(m) in PURE}
+    seen = set(roots)
     todo = list(seen)
     while todo:
         for target in graph[todo.pop()] - seen:
             seen.add(target)
             todo.append(target)
-    heavy = sorted(f"{m} imports {name}" for m in seen for name in _external_imports(modules[m]) if name in HEAVY)
-    assert heavy == []
+    return sorted(f"{m} imports {name}" for m in seen for name in _external_imports(modules[m]) if name in HEAVY)
+
+
+def test_the_pure_packages_import_neither_torch_nor_prefect():
+    assert _heavy_imports({m for m in _modules() if m != "frenzy_prefect" and _component(m) in PURE}) == []
+
+
+def test_the_slurm_launchers_light_modules_import_neither_torch_nor_prefect():
+    assert set(LIGHT) <= set(_modules())
+    assert _heavy_imports(set(LIGHT)) == []
 
 
 def test_every_top_level_module_has_a_layer():

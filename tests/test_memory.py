@@ -1,7 +1,9 @@
 """The analytic estimator: exact on model states, within 3% of the engine's measured peak, the
 calibration of GPU constants, and the invariants every plan must keep."""
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,15 +12,26 @@ from hypothesis import strategies as st
 
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.memory import estimate, peak_bytes
-from frenzy_prefect.memory.analytic import optimizer_shares
+from frenzy_prefect.memory.analytic import optimizer_shares, zero_layout
 from frenzy_prefect.memory.calibration import PACKAGED, UNKNOWN, Calibration, GpuConstants, fit
 from frenzy_prefect.profiling.model import PRESETS
 from frenzy_prefect.spec.catalog import GPU_CATALOG
-from frenzy_prefect.spec.layout import largest_tensor, parameter_sizes, stage_parameters, uses_ddp
+from frenzy_prefect.spec.gpu import MemoryMargin
+from frenzy_prefect.spec.layout import (
+    block_tensors,
+    deal_out,
+    head_shapes,
+    largest_tensor,
+    parameter_sizes,
+    stage_parameters,
+    stage_tensor_sizes,
+    uses_ddp,
+)
 from frenzy_prefect.spec.plan import ParallelPlan
-from frenzy_prefect.spec.request import OptimizerSettings, TrainingRequest
+from frenzy_prefect.spec.request import TrainingRequest
+from frenzy_prefect.spec.workload import OptimizerSettings, Workload
 from frenzy_prefect.training.decoder import Decoder
-from frenzy_prefect.training.measure import Workload, measure
+from frenzy_prefect.training.measure import Measurement, measure
 from frenzy_prefect.units import GIB
 
 NANO = PRESETS["gpt-nano"]
@@ -42,9 +55,9 @@ def test_model_states_equal_the_real_tensors_after_a_step(name, kwargs, state_by
         _bytes(p.grad for p in model.parameters()),
         _bytes(t for s in opt.state.values() for k, t in s.items() if k != "step"),
     )
-    b = estimate(
-        NANO, ParallelPlan(micro_batch=2), global_batch=2, seq_len=16, precision="fp32", optimizer_bytes_per_param=state_bytes
-    ).per_stage[0]
+    work = Workload(global_batch=2, seq_len=16, precision="fp32", optimizer=OptimizerSettings(name=name, **kwargs))
+    assert work.optimizer_bytes_per_param == state_bytes
+    b = estimate(NANO, ParallelPlan(micro_batch=2), work).per_stage[0]
     assert (b.params, b.grads, b.optimizer) == measured
 
 
@@ -53,7 +66,8 @@ def test_master_weights_model_states_are_the_engines_tensors_after_a_step():
     from frenzy_prefect.training.engine import Engine
 
     plan = ParallelPlan(micro_batch=2)
-    engine = Engine(NANO, plan, precision="bf16", optimizer=OptimizerSettings(), accumulation=1, master_weights=True)
+    work = Workload(global_batch=2, seq_len=16, precision="bf16", master_weights=True)
+    engine = Engine(NANO, plan, work)
     x = torch.randint(0, NANO.vocab_size, (2, 16))
     engine.step([(x, x)])
     masters, states = [m for _, m in engine.masters], engine.optimizer.state.values()
@@ -62,16 +76,16 @@ def test_master_weights_model_states_are_the_engines_tensors_after_a_step():
         _bytes(m.grad for m in masters),
         _bytes(masters) + _bytes(t for s in states for k, t in s.items() if k != "step"),
     )
-    b = estimate(NANO, plan, global_batch=2, seq_len=16, precision="bf16", optimizer_bytes_per_param=8, master_weights=True).per_stage[0]
+    b = estimate(NANO, plan, work).per_stage[0]
     assert (b.params, b.grads, b.optimizer) == measured
 
 
 def test_master_weights_are_refused_with_fp32_and_under_zero_2():
     kwargs = {"global_batch": 4, "seq_len": 16, "master_weights": True}
     with pytest.raises(FrenzyError, match="zero 0, 1 or 3"):
-        estimate(NANO, ParallelPlan(dp=2, micro_batch=2, zero=2), precision="bf16", optimizer_bytes_per_param=8, **kwargs)
-    with pytest.raises(FrenzyError, match="bf16 or fp16"):
-        estimate(NANO, ParallelPlan(micro_batch=2), precision="fp32", optimizer_bytes_per_param=8, **kwargs)
+        estimate(NANO, ParallelPlan(dp=2, micro_batch=2, zero=2), Workload(precision="bf16", **kwargs))
+    with pytest.raises(ValueError, match="set precision bf16 or fp16"):
+        Workload(precision="fp32", **kwargs)
     with pytest.raises(ValueError, match="set precision bf16 or fp16"):
         TrainingRequest(model="gpt-nano", dataset="s3://b/d.txt", steps=1, precision="fp32", **kwargs)
 
@@ -100,10 +114,9 @@ MEASURED = [
 
 @pytest.mark.parametrize(("name", "plan", "precision", "global_batch", "optimizer", "master"), MEASURED, ids=[m[0] for m in MEASURED])
 def test_the_estimate_matches_the_engines_measured_peak_on_every_rank(name, plan, precision, global_batch, optimizer, master):
-    settings = OptimizerSettings(name=optimizer)
-    common = {"global_batch": global_batch, "seq_len": 64, "precision": precision, "master_weights": master}
-    measured = measure(Workload(model=NANO, plan=plan, optimizer=settings, **common))
-    predicted = estimate(NANO, plan, optimizer_bytes_per_param=settings.state_bytes_per_parameter, **common)
+    work = Workload(global_batch=global_batch, seq_len=64, precision=precision, optimizer={"name": optimizer}, master_weights=master)
+    measured = measure(Measurement(model=NANO, plan=plan, work=work))
+    predicted = estimate(NANO, plan, work)
     assert [m.rank for m in measured] == list(range(plan.gpus))
     peak = max(m.breakdown.total for m in measured)
     assert abs(predicted.peak_bytes - peak) <= 0.03 * peak, (predicted, measured)
@@ -138,28 +151,26 @@ LLAMA_AND_EAGER = [
 )
 def test_the_estimate_matches_the_measured_peak_of_llama_blocks_and_eager_attention(name, preset, update, plan, precision, attention):
     model = PRESETS[preset].model_copy(update=update)
-    work = Workload(
-        model=model, plan=plan, global_batch=4, seq_len=64, precision=precision, optimizer=OptimizerSettings(), attention=attention
-    )
-    peak = max(m.breakdown.total for m in measure(work))
-    predicted = estimate(model, plan, global_batch=4, seq_len=64, precision=precision, optimizer_bytes_per_param=8, attention=attention)
+    work = Workload(global_batch=4, seq_len=64, precision=precision, attention=attention)
+    peak = max(m.breakdown.total for m in measure(Measurement(model=model, plan=plan, work=work)))
+    predicted = estimate(model, plan, work)
     assert abs(predicted.peak_bytes - peak) <= 0.03 * peak, (predicted, peak)
 
 
 def test_gpu_constants_come_from_the_calibration_and_are_zero_without_a_gpu():
     plan, a10 = ParallelPlan(), GPU_CATALOG["A10"]
-    kwargs = dict(global_batch=1, seq_len=32, precision="fp32", optimizer_bytes_per_param=8)
-    assert estimate(NANO, plan, **kwargs).peak_stage.other < 2**20  # CPU: tensors only
-    tensors = estimate(NANO, plan, **kwargs, gpu=a10, calibration=Calibration(gpus={"A10": GpuConstants()})).peak_bytes
+    work = Workload(global_batch=1, seq_len=32, precision="fp32")
+    assert estimate(NANO, plan, work).peak_stage.other < 2**20  # CPU: tensors only
+    tensors = estimate(NANO, plan, work, gpu=a10, calibration=Calibration(gpus={"A10": GpuConstants()})).peak_bytes
     # No entry: the packaged assumption for the type, context, NCCL and cuBLAS workspaces apart.
     constants = Calibration().for_gpu(a10)
     assert constants.source == "assumed"
     assert all(constants.sources[k].startswith("assumed: ") for k in ("cuda_context", "nccl", "workspace"))
-    assumed = estimate(NANO, plan, **kwargs, gpu=a10, calibration=Calibration())
+    assumed = estimate(NANO, plan, work, gpu=a10, calibration=Calibration())
     overhead = constants.cuda_context_bytes + constants.nccl_bytes + constants.workspace_bytes
     assert assumed.peak_bytes - tensors == overhead + math.ceil((constants.fragmentation - 1) * tensors)
     fitted = Calibration(gpus={"A10": GpuConstants(overhead_bytes=1000, fragmentation=1.5, source="fitted")})
-    assert estimate(NANO, plan, **kwargs, gpu=a10, calibration=fitted).peak_bytes == 1000 + tensors + math.ceil(0.5 * tensors)
+    assert estimate(NANO, plan, work, gpu=a10, calibration=fitted).peak_bytes == 1000 + tensors + math.ceil(0.5 * tensors)
 
 
 def test_fit_recovers_overhead_and_fragmentation_from_measured_runs():
@@ -239,7 +250,7 @@ def test_a_fitted_type_keeps_the_assumed_nccl_term_and_unlisted_types_fall_back(
 )
 def test_impossible_plans_are_rejected_with_the_accepted_values(plan, global_batch, message):
     with pytest.raises(FrenzyError, match=message):
-        estimate(NANO, plan, global_batch=global_batch, seq_len=32, precision="fp32", optimizer_bytes_per_param=8)
+        estimate(NANO, plan, Workload(global_batch=global_batch, seq_len=32, precision="fp32"))
 
 
 plans = st.builds(
@@ -252,9 +263,8 @@ plans = st.builds(
 )
 
 
-def _predict(plan, **overrides):
-    kwargs = dict(global_batch=64 * plan.dp * plan.micro_batch, seq_len=128, precision="bf16", optimizer_bytes_per_param=8) | overrides
-    return estimate(PRESETS["gpt2-small"], plan, **kwargs)
+def _predict(plan):
+    return estimate(PRESETS["gpt2-small"], plan, Workload(global_batch=64 * plan.dp * plan.micro_batch, seq_len=128, precision="bf16"))
 
 
 @settings(max_examples=60, deadline=None)
@@ -281,13 +291,51 @@ def test_zero1_shares_every_stage_tensor_once_over_data_parallel_ranks(plan):
     model = PRESETS["gpt2-small"]
     plan = plan.model_copy(update={"zero": 1})
     for stage in range(plan.pp):
-        shares = optimizer_shares(model, plan, stage)
-        assert len(shares) == plan.dp
-        assert sum(owned for owned, _ in shares) == stage_parameters(model, plan, stage)
+        sizes = stage_tensor_sizes(model, plan, stage)
+        owners = deal_out(list(sizes), plan.dp)
+        shares = [([n for n, o in zip(sizes, owners, strict=True) if o == rank] or [0]) for rank in range(plan.dp)]
+        assert sum(map(sum, shares)) == stage_parameters(model, plan, stage)
         # Dealt largest first to the emptiest rank: no two shares differ by more than the largest tensor.
-        owned = [n for n, _ in shares]
+        owned = [sum(s) for s in shares]
         assert max(owned) - min(owned) <= largest_tensor(model, plan, stage)
-        assert all(biggest <= n for n, biggest in shares)
+        # The estimator's view: each distinct (elements, largest tensor), in rank order.
+        distinct = list(dict.fromkeys((sum(s), max(s)) for s in shares))
+        assert list(optimizer_shares(model, plan.tp, plan.pp, plan.dp, stage)) == distinct
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 50), min_size=1, max_size=30), st.integers(1, 40))
+def test_deal_out_deals_as_zero_redundancy_optimizer_does(sizes, ranks):
+    """The heap gives each tensor, largest first, to the rank holding the fewest elements (ties:
+    the lowest rank), as a scan of every rank would."""
+    owners, totals = [0] * len(sizes), [0] * ranks
+    for i in sorted(range(len(sizes)), key=lambda i: sizes[i], reverse=True):
+        owners[i] = totals.index(min(totals))
+        totals[owners[i]] += sizes[i]
+    assert deal_out(sizes, ranks) == owners
+
+
+@pytest.mark.parametrize("preset", ["gpt-nano", "llama-micro"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_zero2_layout_finds_the_worst_rank_without_visiting_every_rank(preset, tp):
+    """The largest overlap of the ranks that own the tail and of those that do not, as a visit of
+    every rank's slice finds them, for dp from 1 to past the tensor count."""
+    model = PRESETS[preset]
+    sizes = parameter_sizes(model, tp)
+    # reduced by the end of the last block's backward: the last block, the final norm and the head
+    tail = sum(block_tensors(model, tp)) + sum(r * c for r, c in head_shapes(model, tp, own_head=not model.tied_embeddings))
+    for dp in [*range(1, 80), 255, 256, 1000, 4096]:
+        layout = zero_layout(model, dp, tp)
+        low_tail = layout.total - tail
+        overlaps = []
+        for rank in range(dp):
+            low, high, offset, total = rank * layout.part, (rank + 1) * layout.part, 0, 0
+            for n in sizes:
+                total += n if offset < high and offset + n > low else 0
+                offset += n
+            overlaps.append((total, high > low_tail))
+        assert layout.overlap_tail == max((o for o, owns in overlaps if owns), default=-1)
+        assert layout.overlap_rest == max((o for o, owns in overlaps if not owns), default=-1)
 
 
 @settings(max_examples=60, deadline=None)
@@ -311,11 +359,19 @@ def test_splitting_the_model_never_adds_parameters_per_gpu(plan):
 def test_the_search_path_finds_the_itemised_peak(plan, precision, on_gpu):
     # peak_bytes skips the middle pipeline stages, claiming the second bounds them.
     model = PRESETS["gpt2-small"]
-    kwargs = dict(
-        global_batch=64 * plan.dp * plan.micro_batch,
-        seq_len=128,
-        precision=precision,
-        optimizer_bytes_per_param=8,
-        gpu=GPU_CATALOG["A100-80GB"] if on_gpu else None,
-    )
-    assert peak_bytes(model, plan, **kwargs) == estimate(model, plan, **kwargs).peak_bytes
+    work = Workload(global_batch=64 * plan.dp * plan.micro_batch, seq_len=128, precision=precision)
+    gpu = GPU_CATALOG["A100-80GB"] if on_gpu else None
+    assert peak_bytes(model, plan, work, gpu=gpu) == estimate(model, plan, work, gpu=gpu).peak_bytes
+
+
+def test_the_quoted_tensor_accuracy_is_what_the_accuracy_benchmark_measured():
+    """The margin's docstring and docs/memory.md quote the tensors' error on this engine: the
+    median and worst of benchmarks/memory_accuracy's last results, not a figure of their own."""
+    root = Path(__file__).resolve().parents[1]
+    frenzy = json.loads((root / "benchmarks/results/memory_accuracy.json").read_text())["frenzy"]
+    median, worst = (f"{100 * frenzy[k]:.2f}%" for k in ("median_abs_error", "worst_abs_error"))
+    docs = (root / "docs/memory.md").read_text()
+    for text in (MemoryMargin.__doc__, docs.split("## Safety margin")[1].split("##")[0]):
+        flat = " ".join(text.split())
+        assert f"median {median}" in flat and f"at worst {worst}" in flat, flat
+    assert f"| this estimator (`frenzy estimate`) | {median} | {worst} " in docs

@@ -100,12 +100,13 @@ def rerouted_schedule(microbatches: int) -> Schedule:
 def _weights_after_steps(rank: int, world: int, port: int, plan: ParallelPlan, rerouted: bool, out) -> None:
     """Three optimizer steps of ``plan``, each replica's micro-batches drawn as ``_losses_of`` draws
     them; every rank reports its weights."""
-    from frenzy_prefect.spec.request import OptimizerSettings
+    from frenzy_prefect.spec.workload import Workload
     from frenzy_prefect.training.engine import Engine
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
-    engine = Engine(NANO, plan, precision="fp32", optimizer=OptimizerSettings(lr=3e-3), accumulation=2, rank=rank)
+    work = Workload(global_batch=2 * plan.dp * plan.micro_batch, seq_len=32, precision="fp32", optimizer={"lr": 3e-3})
+    engine = Engine(NANO, plan, work, rank=rank)
     _, replica, _ = plan.coordinates(rank)
     schedule = rerouted_schedule(2) if rerouted else None
     data = [torch.Generator().manual_seed(7 + q) for q in range(plan.dp)]

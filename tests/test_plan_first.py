@@ -51,7 +51,7 @@ def test_plan_only_publishes_the_ranked_plans_with_time_and_cost_and_starts_noth
         run = wait_final(run_id, timeout_s=180)
     assert run.state.is_completed(), run.state
     plans = ranked_plans(stack, run_id)
-    assert [p["#"] for p in plans[:3]] == ["1", "2", "3"] and all("total h (predicted)" in p and "cost (predicted)" in p for p in plans)
+    assert [p["#"] for p in plans[:3]] == ["1", "2", "3"] and all("total time (predicted)" in p and "cost (predicted)" in p for p in plans)
     assert children(stack, run) == []
 
 

@@ -27,6 +27,17 @@ def test_plan_json_summarises_stages_and_throughput():
     assert data["steady_state_period_s"] <= data["iteration_s"] * (1 + 1e-9) and data["steady_state_relative_throughput"] > 0
 
 
+@pytest.mark.parametrize("planner", ["heuristic", "milp"])
+def test_plan_without_failures_is_exactly_fault_free(planner):
+    out = recycle("--dp", "4", "--pp", "4", "--microbatches", "8", "--planner", planner, "--json")
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.stdout)
+    assert data["relative_throughput"] == 1.0 and data["steady_state_relative_throughput"] == 1.0
+    assert data["iteration_s"] == data["fault_free_s"] == pytest.approx(1.0)
+    text = recycle("--dp", "4", "--pp", "4", "--microbatches", "8", "--planner", planner).stdout
+    assert "against 1 s without failures (the same planner's schedule): 100.0% of its throughput" in " ".join(text.split())
+
+
 def test_plan_with_the_milp_and_a_step_time():
     out = recycle("--dp", "2", "--pp", "2", "--microbatches", "4", "--fail", "0", "--planner", "milp", "--step-s", "3.5", "--json")
     assert out.exit_code == 0, out.output
@@ -37,7 +48,7 @@ def test_plan_with_the_milp_and_a_step_time():
 def test_plan_table_names_the_throughput():
     out = recycle("--dp", "3", "--pp", "2", "--microbatches", "6", "--fail", "1", "--actions")
     assert out.exit_code == 0, out.output
-    assert "of fault-free throughput" in out.stdout and "(0,1): RA0@0<0 F0@0" in out.stdout
+    assert "without failures (the same planner's schedule)" in " ".join(out.stdout.split()) and "(0,1): RA0@0<0 F0@0" in out.stdout
 
 
 @pytest.mark.parametrize(

@@ -18,14 +18,14 @@ import torch
 from frenzy_prefect.profiling.dataset import profile_dataset
 from frenzy_prefect.spec.plan import ParallelPlan, Placement, TrainingJob
 from frenzy_prefect.storage import open_uri
-from frenzy_prefect.training.checkpoint import complete_checkpoints
+from frenzy_prefect.training.manifest import complete_checkpoints
 from frenzy_prefect.training.resilient.liveness import INCARNATION_ENV
 
 from .conftest import BUCKET, ROOT
-from .test_resume import _whole_weights
+from .test_resume import _whole_weights, assert_resumed_after, files_of
 from .test_training import NANO, launch, make_job
 
-pytestmark = pytest.mark.recycle_live
+pytestmark = [pytest.mark.recycle_live, pytest.mark.faults]  # every test kills or stops a rank
 
 GRID = [Placement(node="n0", host="127.0.0.1", gpus=[0, 1, 2, 3])]
 PLAN = ParallelPlan(dp=2, pp=2, micro_batch=2)  # global batch 16: 4 micro-batches per pipeline
@@ -130,13 +130,29 @@ def test_without_a_replacement_the_survivors_train_to_the_end_and_checkpoint_re_
 
 def test_a_stage_that_loses_every_replica_restarts_from_the_last_checkpoint(dataset, fault_free):
     losses, _ = fault_free
-    job = job_of(dataset, "recycle-wipe-out", max_replacements=0, max_restarts=1)
+    # Every checkpoint kept, so that the one resumed from can be checked untouched.
+    job = job_of(dataset, "recycle-wipe-out", max_replacements=0, max_restarts=1, keep_checkpoints=10)
     killed: list[int] = []
     killers = [kill_after_first_checkpoint(job, rank, killed) for rank in (2, 3)]  # both replicas of stage 1
+    at_restart: list[tuple[int, dict[str, object]]] = []
+
+    def note_the_checkpoint_resumed_from() -> None:
+        # Once torchrun has started the ranks again (before they can have trained a step), the
+        # newest complete checkpoint is the one they resume from.
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not (len(killed) == 2 and (t := trainer_of(2, 0)) is not None and t.pid not in killed):
+            time.sleep(0.05)
+        newest = complete_checkpoints(job.checkpoint_uri)[-1]
+        at_restart.append((int(newest.rsplit("-", 1)[1]), files_of(newest)))
+
+    watcher = threading.Thread(target=note_the_checkpoint_resumed_from)
+    watcher.start()
     code, _ = launch(job)
-    for killer in killers:
-        killer.join()
+    for thread in (*killers, watcher):
+        thread.join()
     assert len(killed) == 2 and code == 0
+    ((step, files),) = at_restart
+    assert_resumed_after(job, step, files)
     assert metrics_of(job)["losses"] == pytest.approx(losses, rel=1e-5)
 
 

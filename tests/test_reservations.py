@@ -1,19 +1,32 @@
 """GPU reservations on the real Prefect server's global concurrency limits: many holders at
-once never share a GPU, a held GPU cannot be taken, and releasing frees it."""
+once never share a GPU, a held GPU cannot be taken, and releasing frees it; a run is labelled
+with the GPUs it takes before it takes them."""
 
 import asyncio
 import random
 import time
 from itertools import pairwise
-from uuid import uuid4
+from uuid import UUID, uuid4
 
 import pytest
+from prefect import flow
 from prefect.client.orchestration import get_client
 
 from frenzy_prefect.allocator.placement import place
+from frenzy_prefect.pool import run_labels
 from frenzy_prefect.pool.reservations import GpuReservations, gpu_limit
 from frenzy_prefect.spec.cluster import ClusterSpec
 from frenzy_prefect.spec.plan import Placement
+
+
+@flow
+def holding():
+    pass
+
+
+async def a_run(client) -> UUID:
+    """A flow run to hold GPUs for (they are claimed on its labels)."""
+    return (await client.create_flow_run(holding)).id
 
 
 def small_cluster() -> ClusterSpec:
@@ -31,10 +44,11 @@ def test_twenty_concurrent_holders_never_share_a_gpu(stack, prefect_api):
     async def holder(reservations: GpuReservations, k: int) -> None:
         rng = random.Random(k)
         gpus = rng.choice([1, 2, 3, 4])
+        run = await a_run(reservations.client)
         while True:
             state = await reservations.state()
             placements = place(gpus, [(n, state.free_gpus[n.name]) for n in cluster.nodes])
-            lease = placements and await reservations.acquire(placements, uuid4())
+            lease = placements and await reservations.acquire(placements, run)
             if lease:
                 break
             await asyncio.sleep(rng.uniform(0.01, 0.05))
@@ -72,13 +86,17 @@ def test_a_held_gpu_cannot_be_taken_and_is_free_once_released(stack, prefect_api
         async with get_client() as client:
             reservations = GpuReservations(client, cluster)
             assert (await reservations.state()).free_gpus == {"a": [0, 1, 2], "b": [0, 1]}  # no limits yet: all free
+            holder, refused = await a_run(client), await a_run(client)
             with pytest.raises(RuntimeError, match="lacks reservation limits"):
-                await reservations.acquire([Placement(node="a", host="127.0.0.1", gpus=[0])], uuid4())
+                await reservations.acquire([Placement(node="a", host="127.0.0.1", gpus=[0])], holder)
             await reservations.ensure()
-            first = await reservations.acquire([Placement(node="a", host="127.0.0.1", gpus=[0, 1])], uuid4())
+            first = await reservations.acquire([Placement(node="a", host="127.0.0.1", gpus=[0, 1])], holder)
             assert first is not None
-            # Overlapping by one GPU: nothing is taken, not even the free GPU 2.
-            assert await reservations.acquire([Placement(node="a", host="127.0.0.1", gpus=[1, 2])], uuid4()) is None
+            claimed = (await client.read_flow_run(holder)).labels[run_labels.GPUS]
+            assert claimed == f"{gpu_limit(cluster.name, 'a', 0)} {gpu_limit(cluster.name, 'a', 1)}"
+            # Overlapping by one GPU: nothing is taken, not even the free GPU 2, and nothing is claimed.
+            assert await reservations.acquire([Placement(node="a", host="127.0.0.1", gpus=[1, 2])], refused) is None
+            assert (await client.read_flow_run(refused)).labels[run_labels.GPUS] == ""
             assert (await reservations.state()).free_gpus == {"a": [2], "b": [0, 1]}
             limit = await client.read_global_concurrency_limit_by_name(gpu_limit(cluster.name, "a", 2))
             assert limit.active_slots == 0
@@ -102,20 +120,3 @@ def test_the_embedded_server_keeps_leases_where_a_restart_finds_them(stack, pref
     with stack.client_settings():
         storage, warning = asyncio.run(scenario())
     assert storage == DURABLE_LEASE_STORAGE and warning is None
-
-
-def test_a_server_that_keeps_leases_in_memory_gets_a_warning_naming_the_setting(tmp_path):
-    from frenzy_prefect.localstack import LocalStack
-    from frenzy_prefect.pool.reservations import VOLATILE_LEASE_STORAGE, volatile_lease_storage_warning
-
-    async def warning() -> str | None:
-        async with get_client() as client:
-            return await volatile_lease_storage_warning(client)
-
-    with LocalStack(tmp_path) as volatile:
-        volatile.env["PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE"] = VOLATILE_LEASE_STORAGE  # Prefect's default
-        volatile.start_prefect()
-        with volatile.client_settings():
-            said = asyncio.run(warning())
-    assert said is not None and "a server restart would leak every GPU reserved" in said
-    assert "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE=prefect.server.concurrency.lease_storage.filesystem" in said

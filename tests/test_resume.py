@@ -19,11 +19,12 @@ import torch.distributed.checkpoint as dcp
 
 from frenzy_prefect.profiling.dataset import profile_dataset
 from frenzy_prefect.spec.plan import ParallelPlan, Placement, TrainingJob
+from frenzy_prefect.spec.result import TrainingResult
 from frenzy_prefect.storage import filesystem, filesystem_options, open_uri, write_bytes
 from frenzy_prefect.training import checkpoint
-from frenzy_prefect.training.checkpoint import MANIFEST, complete_checkpoints, step_uri
 from frenzy_prefect.training.distributed import DistributedContext, free_port
 from frenzy_prefect.training.engine import Engine
+from frenzy_prefect.training.manifest import MANIFEST, complete_checkpoints, latest, step_uri
 from frenzy_prefect.training.trainer import train
 
 from .conftest import BUCKET
@@ -46,10 +47,22 @@ def losses_of(job: TrainingJob) -> list[float]:
         return json.load(f)["losses"]
 
 
-def modified(uri: str):
+def files_of(uri: str) -> dict[str, object]:
+    """Every object of the checkpoint at ``uri``, with when it was last written."""
     fs, path = filesystem(uri)
     fs.invalidate_cache()
-    return fs.info(path)["LastModified"]
+    return {name: info["LastModified"] for name, info in fs.find(path, detail=True).items()}
+
+
+def assert_resumed_after(job: TrainingJob, step: int, files_before: dict[str, object]) -> None:
+    """The job's last attempt resumed from its checkpoint of ``step``, not from scratch (training
+    is deterministic, so the losses alone cannot tell): the first step it trained is the next one,
+    it trained each later step once, and that checkpoint's files are as they were."""
+    with open_uri(job.metrics_uri, "r") as f:
+        result = TrainingResult.model_validate_json(f.read())
+    assert result.first_step == step + 1, f"the attempt trained from step {result.first_step}, not step {step + 1}"
+    assert len(result.step_s) == job.request.steps - step, f"it trained {len(result.step_s)} steps after step {step}"
+    assert files_of(step_uri(job.checkpoint_uri, step)) == files_before, "the checkpoint it resumed from was written again"
 
 
 def tear(uri: str) -> None:
@@ -74,10 +87,10 @@ def test_a_resumed_run_reaches_the_uninterrupted_runs_losses_step_for_step(datas
     assert complete_checkpoints(job.checkpoint_uri) == [third, sixth, ninth]
     tear(sixth)
     tear(ninth)
-    kept = modified(f"{third}/{MANIFEST}")
+    kept = files_of(third)
 
     assert launch(job)[0] == 0  # the same run again, as a Prefect retry starts it
-    assert modified(f"{third}/{MANIFEST}") == kept  # resumed after step 3, not retrained from step 1
+    assert_resumed_after(job, 3, kept)
     assert complete_checkpoints(job.checkpoint_uri) == [third, sixth, ninth]
     assert losses_of(job) == ref  # the same plan and data: bit for bit
 
@@ -90,7 +103,9 @@ def test_deepspeeds_zero2_resumes_its_partitions_of_the_weights_and_adam_states(
     uninterrupted = losses_of(job)
     tear(step_uri(job.checkpoint_uri, 6))
     tear(step_uri(job.checkpoint_uri, 9))
+    kept = files_of(step_uri(job.checkpoint_uri, 3))
     assert launch(job)[0] == 0
+    assert_resumed_after(job, 3, kept)
     assert losses_of(job) == pytest.approx(uninterrupted, rel=1e-6)
 
 
@@ -133,8 +148,8 @@ def test_a_checkpoint_resumes_on_another_plan_with_the_same_weights_and_loss_cur
 
     # The weights after load are the checkpoint's, whole.
     uri = step_uri(target.checkpoint_uri, 3)
-    engine = Engine(NANO, target_plan, precision="fp32", optimizer=target.request.optimizer, accumulation=2)
-    checkpoint.load(engine, uri, checkpoint.latest(target.checkpoint_uri)[1])
+    engine = Engine(NANO, target_plan, target.request.workload)
+    checkpoint.load(engine, uri, latest(target.checkpoint_uri)[1])
     whole = _whole_weights(uri)
     loaded = engine.state_dict()
     assert set(loaded) - set(whole) <= {"head.weight"}  # a tied head is saved once, as the embedding
@@ -181,10 +196,11 @@ def _objects_under(uri: str) -> list[str]:
     return fs.find(path)
 
 
+@pytest.mark.faults
 def test_a_rank_killed_mid_write_leaves_the_previous_checkpoint_usable_and_the_torn_one_ignored(dataset, reference):
     _, ref = reference
-    job = job_of(dataset, "torn", DP2)
-    sixth = step_uri(job.checkpoint_uri, 6)
+    job = job_of(dataset, "torn", DP2, keep_checkpoints=3)  # step 3's kept, to be checked untouched
+    third, sixth = step_uri(job.checkpoint_uri, 3), step_uri(job.checkpoint_uri, 6)
     ranks = _start_ranks(job)
     try:
         # The first of step 6's files has landed: its manifest can only follow every rank's files.
@@ -196,15 +212,17 @@ def test_a_rank_killed_mid_write_leaves_the_previous_checkpoint_usable_and_the_t
             if p.is_alive():
                 p.kill()
     assert ranks[1].exitcode == -signal.SIGKILL
-    assert complete_checkpoints(job.checkpoint_uri) == [step_uri(job.checkpoint_uri, 3)]  # the torn step 6: no manifest
+    assert complete_checkpoints(job.checkpoint_uri) == [third]  # the torn step 6: no manifest
     assert _objects_under(sixth), "nothing of step 6 was written"
+    kept = files_of(third)
 
     ranks = _start_ranks(job)  # the run again: from step 3
     for p in ranks:
         p.join(timeout=180)
     assert [p.exitcode for p in ranks] == [0, 0]
+    assert_resumed_after(job, 3, kept)
     assert losses_of(job) == ref
-    assert complete_checkpoints(job.checkpoint_uri) == [sixth, step_uri(job.checkpoint_uri, 9)]
+    assert complete_checkpoints(job.checkpoint_uri) == [third, sixth, step_uri(job.checkpoint_uri, 9)]
 
 
 def _half_written(uri: str) -> None:
@@ -221,6 +239,7 @@ def test_a_corrupt_newest_manifest_is_named_in_the_log_and_the_run_resumes_from_
     sixth, ninth = step_uri(job.checkpoint_uri, 6), step_uri(job.checkpoint_uri, 9)
     assert complete_checkpoints(job.checkpoint_uri) == [sixth, ninth]
     _half_written(f"{ninth}/{MANIFEST}")
+    kept = files_of(sixth)
 
     log = tmp_path / "rank-0.log"
     ranks = _start_ranks(job, str(log))  # the run again, as a Prefect retry starts it
@@ -231,8 +250,9 @@ def test_a_corrupt_newest_manifest_is_named_in_the_log_and_the_run_resumes_from_
     assert lines[0].startswith(f"warning: skipping the checkpoint at {ninth}: its manifest {ninth}/{MANIFEST} is corrupt: "), lines[:3]
     assert lines[1].startswith(f"resumed from {sixth} (step 6,"), lines[:3]
     assert lines[2].startswith("step 7/9 loss"), lines[:3]  # the first step trained after the restart
+    assert_resumed_after(job, 6, kept)
     assert losses_of(job) == ref
-    assert checkpoint.latest(job.checkpoint_uri)[0] == ninth  # written again, whole
+    assert latest(job.checkpoint_uri)[0] == ninth  # written again, whole
 
 
 @pytest.mark.parametrize(
@@ -260,13 +280,25 @@ def test_resume_and_pruning_pass_over_a_newer_corrupt_checkpoint_to_the_only_int
         fs.rm(path)
 
     warnings: list[str] = []
-    uri, found = checkpoint.latest(target.checkpoint_uri, warn=warnings.append)
+    uri, found = latest(target.checkpoint_uri, warn=warnings.append)
     assert (uri, found.step) == (sixth, 6)
     assert len(warnings) == 1 and warnings[0].startswith(f"warning: skipping the checkpoint at {ninth}: "), warnings
     assert manifest in warnings[0] or ".metadata" in warnings[0], warnings
 
     checkpoint.prune(target.checkpoint_uri, keep=1)  # keep_checkpoints=1: the corrupt step 9 is not the one kept
-    assert checkpoint.latest(target.checkpoint_uri)[0] == sixth
+    assert latest(target.checkpoint_uri)[0] == sixth
+
+
+def _agent_pids() -> list[int]:
+    """This test's torchrun agents (the killed rank, a zombie until reaped, is passed over)."""
+    pids = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if "frenzy_prefect.launch.agent" in " ".join(p.cmdline()):
+                pids.append(p.pid)
+        except psutil.Error:
+            pass
+    return pids
 
 
 def _rank_processes(agent_pids: list[int]) -> dict[int, psutil.Process]:
@@ -282,26 +314,36 @@ def _rank_processes(agent_pids: list[int]) -> dict[int, psutil.Process]:
     return ranks
 
 
+@pytest.mark.faults
 def test_with_max_restarts_a_lost_rank_restarts_the_ranks_from_the_last_checkpoint(dataset, reference):
     _, ref = reference
     # A checkpoint after every step, so that rank 1 dies with most of the run still ahead of it
     # (checkpointing more often changes no loss).
-    job = job_of(dataset, "restarted", DP2, max_restarts=1, checkpoint_every=1)
+    # Every checkpoint kept, so that the one resumed from can be checked untouched.
+    job = job_of(dataset, "restarted", DP2, max_restarts=1, checkpoint_every=1, keep_checkpoints=9)
     killed: list[int] = []
+    at_kill: list[tuple[int, dict[str, object]]] = []  # the newest complete checkpoint when rank 1 died, and its files
 
     def rank_1() -> psutil.Process | None:
-        agents = [p.pid for p in psutil.Process().children(recursive=True) if "frenzy_prefect.launch.agent" in " ".join(p.cmdline())]
-        return _rank_processes(agents).get(1)
+        return _rank_processes(_agent_pids()).get(1)
 
     def kill_rank_1_after_a_checkpoint() -> None:
         _wait_for(lambda: complete_checkpoints(job.checkpoint_uri) and rank_1(), 180, "no checkpoint while rank 1 ran")
         victim = rank_1()
         killed.append(victim.pid)
         victim.send_signal(signal.SIGKILL)
+        # Once torchrun has started the ranks again (and before they can have trained a step),
+        # the newest complete checkpoint is the one they resume from.
+        _wait_for(lambda: (r := rank_1()) is not None and r.pid != victim.pid, 180, "torchrun never restarted rank 1")
+        newest = complete_checkpoints(job.checkpoint_uri)[-1]
+        at_kill.append((int(newest.rsplit("-", 1)[1]), files_of(newest)))
 
     killer = threading.Thread(target=kill_rank_1_after_a_checkpoint)
     killer.start()
     code, _ = launch(job)
     killer.join()
     assert killed and code == 0
+    ((step, files),) = at_kill
+    assert step < job.request.steps, "rank 1 died after the last checkpoint"
+    assert_resumed_after(job, step, files)
     assert losses_of(job) == ref

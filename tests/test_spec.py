@@ -256,7 +256,8 @@ def test_a_llama_family_config_reads_its_block_design():
     [
         (
             {"model_type": "mixtral", "num_local_experts": 8},
-            r"model_type 'mixtral' \(supported: gpt2, llama, mistral, qwen2\); a mixture of experts \(num_local_experts=8\)",
+            r"uses model_type 'mixtral' \(supported: gpt2, llama, mistral, qwen2\); a mixture of experts \(num_local_experts=8\), "
+            r"which frenzy does not model",  # and nothing about its (SiLU) activation or its Llama-style fields
         ),
         ({"hidden_act": "gelu"}, r"the activation 'gelu' \(accepted here: silu\)"),
         ({"head_dim": 256}, r"head_dim=256 other than hidden_size / num_attention_heads \(128\)"),

@@ -8,7 +8,6 @@ variables pick the ssh launcher trains through the pool's worker and sshd."""
 import asyncio
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -23,31 +22,23 @@ from frenzy_prefect.launch.command import Launch
 from frenzy_prefect.launch.local import is_running, stop_process_groups
 from frenzy_prefect.launch.ssh import SSH_UNREACHABLE, SshSettings, start_ssh
 from frenzy_prefect.launch.torchrun import rank_launches
-from frenzy_prefect.pool.worker import FrenzyJobConfiguration, _check_pool_policy, _ssh_settings
+from frenzy_prefect.pool.worker import FrenzyJobConfiguration, _check_pool_policy, _check_ssh_launcher, _ssh_settings
 from frenzy_prefect.profiling.dataset import profile_dataset
 from frenzy_prefect.spec.plan import ParallelPlan, Placement
 from frenzy_prefect.storage import open_uri
 from frenzy_prefect.training.distributed import free_port
 
-from .conftest import BUCKET
+from .conftest import BUCKET, without_real_part
 from .test_training import NANO, make_job, unchecked
 
 SSHD = "/usr/sbin/sshd"
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _install_sshd() -> None:
-    """Debian's openssh-server, if this machine lacks it and the tests may install packages."""
-    if os.path.exists(SSHD) or os.geteuid() != 0 or not shutil.which("apt-get"):
-        return
-    subprocess.run(["apt-get", "install", "-y", "-q", "openssh-server"], capture_output=True, timeout=600, check=False)
-
-
 @pytest.fixture(scope="module")
 def sshd(tmp_path_factory) -> SshSettings:
-    _install_sshd()
     if not os.path.exists(SSHD):
-        pytest.skip("no sshd here and it cannot be installed (apt-get as root)")
+        without_real_part("sshd", f"no {SSHD} here (Debian: apt-get install openssh-server)")
     d = tmp_path_factory.mktemp("sshd")
     for key in ("host_key", "user_key"):
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / key)], check=True)
@@ -213,6 +204,42 @@ def ssh_argv_for(settings: SshSettings) -> list[str]:
     from frenzy_prefect.launch.ssh import ssh_argv
 
     return ssh_argv("node-7", settings)
+
+
+def test_a_known_hosts_file_that_is_missing_or_not_a_file_is_refused_in_one_line_naming_it(tmp_path):
+    ssh = FrenzyJobConfiguration(launcher="ssh", ssh_user="trainer", ssh_key_secret="key", ssh_known_hosts=tmp_path / "known_hosts")
+    what_to_set = "set the pool's ssh_known_hosts job variable to a readable file holding the nodes' host keys"
+    with pytest.raises(FrenzyError, match=f"^the ssh launcher's known_hosts file {tmp_path}/known_hosts does not exist: {what_to_set}"):
+        _check_ssh_launcher(ssh)
+    with pytest.raises(FrenzyError, match=f"^the ssh launcher's known_hosts file {tmp_path} is not a readable file: {what_to_set}"):
+        _check_ssh_launcher(ssh.model_copy(update={"ssh_known_hosts": tmp_path}))
+    with pytest.raises(FrenzyError, match="^the ssh launcher needs the pool's ssh_known_hosts set"):
+        _check_ssh_launcher(ssh.model_copy(update={"ssh_known_hosts": None}))
+    (tmp_path / "known_hosts").write_text("")
+    _check_ssh_launcher(ssh)
+    _check_ssh_launcher(FrenzyJobConfiguration(launcher="local"))  # nothing to check
+
+
+@pytest.mark.e2e
+def test_a_run_whose_known_hosts_file_is_missing_fails_in_one_line_before_any_gpu_is_reserved(stack, worker_pool, dataset, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.deployments import run_deployment
+
+    from .test_e2e import training_job, wait_final
+
+    missing = tmp_path / "absent_known_hosts"
+    parameters = training_job(dataset, gpus=2, gpu_type="A10", steps=5, output=f"s3://{BUCKET}/runs/no-known-hosts")
+    variables = {"launcher": "ssh", "ssh_user": "trainer", "ssh_key_secret": "never-read", "ssh_known_hosts": str(missing)}
+    with stack.client_settings():
+        run = wait_final(run_deployment("distributed-train/frenzy", parameters=parameters, job_variables=variables, timeout=0).id)
+        with get_client(sync_client=True) as client:
+            logs = [log.message for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))]
+    message = run.state.message or ""
+    assert not run.state.is_completed() and "\n" not in message.strip(), message
+    assert f"FrenzyError: the ssh launcher's known_hosts file {missing} does not exist: set the pool's ssh_known_hosts" in message
+    assert "ExceptionGroup" not in message and not any(m.startswith("Reserved GPUs") for m in logs), (message, logs)
+    assert not run.labels.get("frenzy.gpus"), run.labels  # it never claimed a GPU
 
 
 def test_the_pool_limits_gpu_types_and_gpus_per_run():

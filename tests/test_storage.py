@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from frenzy_prefect.errors import DatasetError, StorageUnreachable
+from frenzy_prefect.errors import DatasetError, FrenzyError, StorageUnreachable
 from frenzy_prefect.profiling.dataset import profile_dataset
 from frenzy_prefect.profiling.token_sample import BLOCK_BYTES, BLOCKS, EDGE_BYTES, sample_ranges
 from frenzy_prefect.spec.dataset import TokenFile
-from frenzy_prefect.storage import STALL_BOUND_S, filesystem, open_uri, write_bytes
+from frenzy_prefect.storage import Bounds, filesystem, open_uri, stall_bound_s, write_bytes
 from frenzy_prefect.training.data import TokenWindows
 from frenzy_prefect.training.distributed import free_port
 
@@ -105,8 +105,15 @@ def test_an_unreachable_endpoint_fails_fast_naming_uri_and_endpoint_not_the_secr
     monkeypatch.setenv("AWS_ENDPOINT_URL", dead)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "do-not-print-me")
     uri = f"s3://{BUCKET}/data/sentences.txt"
+    asked = time.monotonic()
     with pytest.raises(StorageUnreachable) as exc:
         profile_dataset(uri, seq_len=64, vocab_size=256)
+    took = time.monotonic() - asked
+    # Fast: the attempts' refused connections, botocore's backoff between them (3-5 s measured on
+    # 2 busy cores), within the connect timeouts' bound and far from a stalled request's.
+    print(f"an unreachable endpoint failed in {took:.1f} s")
+    b = Bounds.from_env()
+    assert took < b.attempts * b.connect_s + b.backoff_s < b.stall_s, f"{took:.1f} s to fail"
     assert uri in str(exc.value) and dead in str(exc.value)
     assert "do-not-print-me" not in str(exc.value)
 
@@ -120,6 +127,24 @@ def test_open_uri_round_trips_through_s3(s3):
 
 
 SECRET = "stalled-endpoint-secret-do-not-print"
+# Shorter per-request bounds than the defaults (5 s, 15 s, 8 s, 3 tries: 54 s), through the
+# environment: the same stalls fail the same way, in an 11 s bound instead.
+SHORT_BOUNDS = {
+    "FRENZY_S3_CONNECT_TIMEOUT_S": "2",
+    "FRENZY_S3_READ_TIMEOUT_S": "3",
+    "FRENZY_S3_SEND_TIMEOUT_S": "2",
+    "FRENZY_S3_ATTEMPTS": "2",
+}
+
+
+def test_the_request_bounds_come_from_the_environment_and_bad_ones_are_refused_in_one_line(monkeypatch):
+    assert Bounds.from_env() == Bounds() and stall_bound_s() == 3 * 17 + 1 + 2  # a frozen peer drops a send after 2 x 8 + 1 s
+    for name, value in SHORT_BOUNDS.items():
+        monkeypatch.setenv(name, value)
+    assert Bounds.from_env() == Bounds(connect_s=2, read_s=3, send_s=2, attempts=2) and stall_bound_s() == 2 * 5 + 1
+    monkeypatch.setenv("FRENZY_S3_ATTEMPTS", "two")
+    with pytest.raises(FrenzyError, match=r"^FRENZY_S3_ATTEMPTS='two' is not a whole number > 0 \(unset, it is 3\)$"):
+        Bounds.from_env()
 
 
 @pytest.mark.timeout(300)
@@ -127,7 +152,10 @@ def test_a_stalled_endpoint_fails_reads_and_writes_in_bounded_time_naming_uri_an
     """The endpoint's process stopped (SIGSTOP): connections and bytes are still accepted by its
     kernel, nothing answers. A rank's next batch from a dataset opened before the stall, a small
     PUT (waits for the answer) and a checkpoint-sized PUT (its body fills the socket buffers) each fail with
-    StorageUnreachable naming the URI and the endpoint, never the secret; the three run at once."""
+    StorageUnreachable naming the URI and the endpoint, never the secret; the three run at once,
+    under the environment's shorter bounds."""
+    for name, value in SHORT_BOUNDS.items():
+        monkeypatch.setenv(name, value)
     with moto_server(tmp_path / "moto.log") as (endpoint, server):
         monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
@@ -159,8 +187,8 @@ def test_a_stalled_endpoint_fails_reads_and_writes_in_bounded_time_naming_uri_an
             message = str(error)
             assert uri in message and endpoint in message and "did not answer within" in message, message
             assert SECRET not in message
-        # Each op gives up on its own, well within its bound (measured ~47 s for the read and the
-        # small PUT, ~52 s for the large one); the pytest timeout is the hard limit.
-        assert all(seconds < 2 * STALL_BOUND_S for _, seconds in outcomes.values()), took
+        # Each op gives up on its own, within its bound (11 s here; 47-52 s measured under the
+        # default 54 s bound); the pytest timeout is the hard limit.
+        assert all(seconds < 2 * stall_bound_s() for _, seconds in outcomes.values()), took
         inputs, _ = windows.batch(torch.Generator().manual_seed(0), 4)  # the endpoint back, the same file reads again
         assert inputs.shape == (4, 16)

@@ -21,13 +21,15 @@ from frenzy_prefect.spec.cluster import ClusterSpec
 from frenzy_prefect.spec.dataset import DatasetInfo
 from frenzy_prefect.spec.layout import check_engine_plan
 from frenzy_prefect.spec.plan import Allocation, ParallelPlan, Placement, TrainingJob
-from frenzy_prefect.spec.request import OptimizerSettings, TrainingRequest
+from frenzy_prefect.spec.request import TrainingRequest
+from frenzy_prefect.spec.workload import Workload
 from frenzy_prefect.storage import exists, open_uri
-from frenzy_prefect.training.checkpoint import latest, load, step_uri
+from frenzy_prefect.training.checkpoint import load
 from frenzy_prefect.training.decoder import Decoder, shard_state
 from frenzy_prefect.training.distributed import DistributedContext, PeerFailed, free_port, together
 from frenzy_prefect.training.engine import Engine
 from frenzy_prefect.training.layers import positions
+from frenzy_prefect.training.manifest import latest, step_uri
 from frenzy_prefect.training.tensor_parallel import TensorParallel
 from frenzy_prefect.training.trainer import train
 
@@ -57,7 +59,7 @@ def make_job(dataset: DatasetInfo, output: str, plan: ParallelPlan, placements: 
             | request
         )
     )
-    memory = estimate(NANO, plan, global_batch=req.global_batch, seq_len=req.seq_len, precision=req.precision, optimizer_bytes_per_param=8)
+    memory = estimate(NANO, plan, req.workload)
     allocation = Allocation(gpu_type="A10", plan=plan, memory=memory, gpu_memory_bytes=24 * 2**30, step_time_s=1.0, placements=placements)
     nodes = [{"name": p.node, "host": p.host, "gpu_type": "A10", "gpu_count": max(p.gpus) + 1} for p in placements]
     return TrainingJob(request=req, model=NANO, dataset=dataset, allocation=allocation, cluster=ClusterSpec(nodes=nodes), output=output)
@@ -88,7 +90,7 @@ def test_two_ranks_on_two_nodes_train_and_checkpoint_to_s3(dataset):
     assert metrics["checkpoint"] == step_uri(job.checkpoint_uri, 40)
     uri, manifest = latest(job.checkpoint_uri)
     assert uri == metrics["checkpoint"] and manifest.step == 40 and manifest.model.name == "gpt-nano" and manifest.losses == losses
-    engine = Engine(NANO, ParallelPlan(micro_batch=8), precision="fp32", optimizer=job.request.optimizer, accumulation=2)
+    engine = Engine(NANO, ParallelPlan(micro_batch=8), job.request.workload)
     load(engine, uri, manifest)  # strict: every tensor and optimizer state present, right shapes
     assert len(engine.optimizer.state) == len(list(engine.model.parameters()))
 
@@ -162,10 +164,12 @@ def test_a_rank_that_cannot_reach_storage_has_rank_0_report_why_and_the_others_s
     ranks = [spawn.Process(target=_together_rank, args=(r, port, outcomes)) for r in (0, 1)]
     for p in ranks:
         p.start()
+    # Read before joining: a process that put items on a queue exits only once they are flushed
+    # to its pipe (multiprocessing's "joining processes that use queues").
+    got = {outcomes.get(timeout=300) for _ in range(6)}
     for p in ranks:
         p.join(timeout=120)
     assert [p.exitcode for p in ranks] == [0, 0]
-    got = {outcomes.get(timeout=5) for _ in range(6)}
     assert got == {
         (0, "ok", 0),
         (1, "ok", 1),
@@ -178,14 +182,17 @@ def test_a_rank_that_cannot_reach_storage_has_rank_0_report_why_and_the_others_s
 
 def _losses_of(rank: int, world: int, port: int, plan: ParallelPlan, out, knobs: dict) -> None:
     """One rank of ``plan``: three optimizer steps, each replica on its own micro-batches;
-    ``knobs``: the engine's request settings (precision, master_weights) over fp32."""
-    from frenzy_prefect.spec.request import OptimizerSettings
+    ``knobs``: the workload's settings (precision, master_weights) over fp32, and the engine's (backward)."""
+    from frenzy_prefect.spec.workload import Workload
     from frenzy_prefect.training.engine import Engine
 
     torch.set_num_threads(1)
     os.environ["LOCAL_RANK"] = str(rank)  # as torchrun sets it (DeepSpeed reads it)
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
-    engine = Engine(NANO, plan, optimizer=OptimizerSettings(lr=3e-3), accumulation=2, rank=rank, **{"precision": "fp32"} | knobs)
+    engine_knobs = {k: v for k, v in knobs.items() if k not in Workload.model_fields}
+    work_knobs = {"precision": "fp32"} | {k: v for k, v in knobs.items() if k in Workload.model_fields}
+    work = Workload(global_batch=2 * plan.dp * plan.micro_batch, seq_len=32, optimizer={"lr": 3e-3}, **work_knobs)
+    engine = Engine(NANO, plan, work, rank=rank, **engine_knobs)
     stage, replica, tp_rank = plan.coordinates(rank)
     data = torch.Generator().manual_seed(7 + replica)
     losses = []
@@ -255,8 +262,8 @@ def test_master_weights_train_as_fp32_weights_under_autocast(name):
     batches = [(ids[:, :-1], ids[:, 1:])] * 2
     runs = {}
     for master in (False, True):
-        settings = OptimizerSettings(lr=3e-3)
-        engine = Engine(spec, ParallelPlan(micro_batch=2), precision="bf16", optimizer=settings, accumulation=2, master_weights=master)
+        work = Workload(global_batch=4, seq_len=64, precision="bf16", optimizer={"lr": 3e-3}, master_weights=master)
+        engine = Engine(spec, ParallelPlan(micro_batch=2), work)
         runs[master] = [engine.step(batches) for _ in range(4)]
     assert runs[True] == pytest.approx(runs[False], abs=2e-2)
     assert runs[True][-1] < runs[True][0] - 0.5
@@ -266,8 +273,10 @@ def test_master_weights_train_as_fp32_weights_under_autocast(name):
 
 
 def test_master_weights_need_half_precision_and_no_deepspeed():
+    with pytest.raises(ValueError, match="set precision bf16 or fp16"):
+        Workload(global_batch=1, seq_len=16, precision="fp32", master_weights=True)
     with pytest.raises(FrenzyError, match="set precision bf16 or fp16"):
-        Engine(NANO, ParallelPlan(), precision="fp32", optimizer=OptimizerSettings(), accumulation=1, master_weights=True)
+        check_engine_plan(NANO, ParallelPlan(), "fp32", master_weights=True)
     with pytest.raises(FrenzyError, match="ZeRO-2 keeps fp32 weights"):
         check_engine_plan(NANO, ParallelPlan(dp=2, zero=2), "bf16", master_weights=True)
 
@@ -308,14 +317,8 @@ def test_tensor_parallel_shards_sum_to_the_whole_models_attention_and_mlp(name):
 )
 def test_the_engine_trains_llama_blocks_and_both_attentions_with_dropout(name, attention, precision, recompute):
     spec = PRESETS[name].model_copy(update={"attention_dropout": 0.1, "hidden_dropout": 0.1})
-    engine = Engine(
-        spec,
-        ParallelPlan(micro_batch=4, recompute=recompute),
-        precision=precision,
-        optimizer=OptimizerSettings(lr=3e-3, schedule="constant"),
-        accumulation=1,
-        attention=attention,
-    )
+    work = Workload(global_batch=4, seq_len=32, precision=precision, optimizer={"lr": 3e-3, "schedule": "constant"}, attention=attention)
+    engine = Engine(spec, ParallelPlan(micro_batch=4, recompute=recompute), work)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 16, (4, 33), generator=generator)  # a small alphabet, learnable in a few steps
     losses = [engine.step([(ids[:, :-1], ids[:, 1:])]) for _ in range(8)]
@@ -349,7 +352,8 @@ def _vocab_parallel_rank(rank: int, port: int, out) -> None:
     rows = table[tp.split(10)].clone().requires_grad_()
     embedded = tp.embed(ids, rows)
     embedded.pow(2).sum().backward()
-    out.put((rank, loss.item(), part.grad, embedded.detach(), rows.grad))
+    # numpy: pickled whole, not shared through a file descriptor that dies with this process
+    out.put((rank, loss.item(), part.grad.numpy(), embedded.detach().numpy(), rows.grad.numpy()))
     dist.destroy_process_group()
 
 
@@ -376,9 +380,9 @@ def test_the_vocab_parallel_loss_and_embedding_compute_what_the_whole_vocabulary
     embedded.pow(2).sum().backward()
     for rank, value, grad, out_embedded, rows_grad in results:
         assert value == pytest.approx(loss.item(), rel=1e-6)
-        torch.testing.assert_close(grad, logits.grad[:, rank * 5 : (rank + 1) * 5])
-        torch.testing.assert_close(out_embedded, embedded.detach())
-        torch.testing.assert_close(rows_grad, table.grad[rank * 5 : (rank + 1) * 5])
+        torch.testing.assert_close(torch.from_numpy(grad), logits.grad[:, rank * 5 : (rank + 1) * 5])
+        torch.testing.assert_close(torch.from_numpy(out_embedded), embedded.detach())
+        torch.testing.assert_close(torch.from_numpy(rows_grad), table.grad[rank * 5 : (rank + 1) * 5])
 
 
 @pytest.mark.parametrize(

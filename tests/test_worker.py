@@ -31,6 +31,13 @@ def test_prefect_finds_the_frenzy_worker_type_through_the_entry_point():
     assert BaseWorker.get_worker_class_from_type("frenzy") is FrenzyWorker
 
 
+def test_the_worker_carries_prefects_catalogue_metadata():
+    assert FrenzyWorker.get_documentation_url().startswith("https://docs.prefect.io/")
+    assert FrenzyWorker.get_logo_url().startswith("https://raw.githubusercontent.com/PrefectHQ/prefect/")
+    assert FrenzyWorker.get_logo_url().endswith(".png")
+    assert "frenzy.gpu.waiting" in FrenzyWorker.get_description() and "Frenzy" in FrenzyWorker.get_description()
+
+
 def test_the_base_job_template_is_typed_and_described():
     template = FrenzyWorker.get_default_base_job_template()
     props = template["variables"]["properties"]
@@ -125,6 +132,7 @@ def test_a_rank_killed_with_sigkill_is_named_with_its_node_and_signal(dataset):
     assert group.failure == f"rank 1 on n0 (pid {victim}) was killed by SIGKILL" and group.failed_rank == 1
 
 
+@pytest.mark.faults
 def test_a_command_without_ranks_is_named_by_its_node_and_pid():
     async def scenario() -> tuple[int, int, ProcessGroup]:
         group = await start_local(

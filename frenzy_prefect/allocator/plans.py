@@ -3,21 +3,17 @@ memory and step time, in priority order."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
+from frenzy_prefect.allocator.pins import unmet_pin
+from frenzy_prefect.allocator.space import MAX_PLANS, Shape, divisors, shapes
 from frenzy_prefect.allocator.step_time import predict_step
 from frenzy_prefect.errors import FrenzyError, NoFeasiblePlan
 from frenzy_prefect.memory.analytic import estimate
 from frenzy_prefect.spec.cluster import ClusterSpec
 from frenzy_prefect.spec.gpu import GpuType
-from frenzy_prefect.spec.layout import check_engine_plan, check_resilience, tp_splits, zero_runs_with
+from frenzy_prefect.spec.layout import check_engine_plan, check_resilience
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import ParallelPlan, PlanCandidate
-from frenzy_prefect.spec.request import TrainingRequest
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+from frenzy_prefect.spec.request import PlanPin, TrainingRequest
 
 
 def gpu_kinds(cluster: ClusterSpec) -> dict[str, tuple[GpuType, int, int]]:
@@ -35,22 +31,31 @@ def gpu_kinds(cluster: ClusterSpec) -> dict[str, tuple[GpuType, int, int]]:
     return kinds
 
 
-def plan_space(model: ModelSpec, global_batch: int, max_gpus: int, node_gpus: int) -> Iterator[ParallelPlan]:
-    """Every plan the memory model covers, within ``max_gpus``: tensor parallelism inside one
-    node (splitting heads, key/value heads, hidden and ffn evenly), pipeline depths in powers of two, ZeRO-1 with any of
-    them, ZeRO-2 without pipelines, ZeRO-3 over data parallelism alone, and each recomputation mode."""
-    tps = [t for t in _divisors(min(node_gpus, model.heads)) if tp_splits(model, t)]
-    pps = [1 << k for k in range(model.layers.bit_length()) if 1 << k <= model.layers]
-    for dp in _divisors(global_batch):
-        for tp in tps:
-            for pp in pps:
-                if dp * tp * pp > max_gpus:
-                    break
-                zeros = [z for z in (0, 1, 2, 3) if zero_runs_with(z, tp, pp)] if dp > 1 else [0]
-                for micro_batch in _divisors(global_batch // dp):
-                    for zero in zeros:
-                        for recompute in ("none", "selective", "full"):
-                            yield ParallelPlan.model_construct(dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, zero=zero, recompute=recompute)
+def searched_shapes(model: ModelSpec, request: TrainingRequest, max_gpus: int, node_gpus: int) -> list[Shape]:
+    """The plan space on one GPU type (``space.shapes``) less the plans the training engine does
+    not run with the request's precision and resilience, and those its pin excludes."""
+    pin = request.plan or PlanPin()
+    out = []
+    for shape in shapes(model, request.global_batch, max_gpus, node_gpus):
+        if any(want is not None and want != got for want, got in ((pin.dp, shape.dp), (pin.tp, shape.tp), (pin.pp, shape.pp))):
+            continue
+        zeros = tuple(z for z in shape.zeros if pin.zero in (None, z) and _runs(model, shape, z, request))
+        micro_batches = tuple(m for m in shape.micro_batches if pin.micro_batch in (None, m))
+        recomputes = tuple(r for r in shape.recomputes if pin.recompute in (None, r))
+        if zeros and micro_batches and recomputes:
+            out.append(shape._replace(micro_batches=micro_batches, zeros=zeros, recomputes=recomputes))
+    return out
+
+
+def _runs(model: ModelSpec, shape: Shape, zero: int, request: TrainingRequest) -> bool:
+    """Whether the engine runs (dp, tp, pp, zero) with the request (the micro-batch and recomputation do not matter)."""
+    plan = ParallelPlan.model_construct(dp=shape.dp, tp=shape.tp, pp=shape.pp, micro_batch=1, zero=zero, recompute="none")
+    try:
+        check_engine_plan(model, plan, request.precision, request.master_weights)
+        check_resilience(plan, request.resilience, request.master_weights)
+    except FrenzyError:
+        return False
+    return True
 
 
 def candidate_plans(model: ModelSpec, request: TrainingRequest, cluster: ClusterSpec) -> list[PlanCandidate]:
@@ -58,65 +63,31 @@ def candidate_plans(model: ModelSpec, request: TrainingRequest, cluster: Cluster
     GPU) first, each group by predicted step time (the job's steps
     are fixed, so this is its predicted completion time), then fewer GPUs (GPU-seconds), fewer
     accumulation steps, no recomputation. The plans: every plan the memory model covers
-    (``plan_space``) that the training engine runs with the request's precision."""
+    (``space.plan_space``) that the training engine runs with the request's precision, counted
+    first: a search larger than MAX_PLANS is refused, naming its size."""
     check_objective(request, cluster)
-    workload = {"global_batch": request.global_batch, "seq_len": request.seq_len, "precision": request.precision}
-    kinds = gpu_kinds(cluster)
-    if request.precision == "bf16":
-        kinds = {name: kind for name, kind in kinds.items() if kind[0].supports_bf16}
-        if not kinds:
-            raise NoFeasiblePlan(
-                f"precision bf16 needs GPUs with bf16 support, and cluster {cluster.name!r} has none "
-                f"({', '.join(gpu_kinds(cluster))}); request fp16 or fp32"
-            )
-
-    def runs(plan: ParallelPlan) -> bool:
-        try:
-            check_engine_plan(model, plan, request.precision, request.master_weights)
-            check_resilience(plan, request.resilience, request.master_weights)
-        except FrenzyError:
-            return False
-        return True
-
+    kinds = _usable_kinds(request, cluster)
+    searched = {name: searched_shapes(model, request, total, largest) for name, (_, total, largest) in kinds.items()}
+    _check_search_size(request, cluster, sum(s.size for found in searched.values() for s in found))
+    work = request.workload
     out: list[PlanCandidate] = []
-    for name, (gpu, total, largest) in kinds.items():
+    for name, (gpu, _, largest) in kinds.items():
         margin = cluster.memory_margin.bytes_for(gpu.memory_bytes)
-        for plan in plan_space(model, request.global_batch, total, largest):
-            if not runs(plan) or (request.plan and not request.plan.admits(plan)):
-                continue
+        for plan in (plan for shape in searched[name] for plan in shape.plans()):
             network = None if plan.gpus <= largest else cluster.network_gbps
+            step_s = predict_step(model, plan, work, gpu=gpu, network_gbps=network).seconds
             out.append(
                 PlanCandidate(
                     gpu_type=name,
                     plan=plan,
-                    memory=estimate(
-                        model,
-                        plan,
-                        **workload,
-                        optimizer_bytes_per_param=request.optimizer.state_bytes_per_parameter,
-                        gpu=gpu,
-                        attention=request.attention,
-                        master_weights=request.master_weights,
-                    ),
+                    memory=estimate(model, plan, work, gpu=gpu),
                     gpu_memory_bytes=gpu.memory_bytes,
                     margin_bytes=margin,
-                    **_time_and_cost(
-                        predict_step(model, plan, **workload, gpu=gpu, network_gbps=network).seconds, plan, name, request, cluster
-                    ),
+                    **_time_and_cost(step_s, plan, name, request, cluster),
                 )
             )
-    if not out and request.resilience == "recycle":
-        raise NoFeasiblePlan(
-            f"resilience 'recycle' needs a pipeline plan with dp >= 2, pp >= 2, tp = 1 and zero 0, without master_weights"
-            f"{' and ' + request.plan.label() if request.plan else ''}, and none fits cluster {cluster.name!r}: "
-            "it needs at least 4 GPUs of one type"
-        )
-    if not out and request.plan:
-        raise NoFeasiblePlan(
-            f"no plan with {request.plan.label()} runs on cluster {cluster.name!r}: tp must split the heads evenly and stay "
-            "within one node, pp at most the layers and a power of two, dp x tp x pp within one GPU type's count, "
-            f"dp x micro_batch dividing global_batch ({request.global_batch}), zero 2 without pp, zero 3 without tp or pp"
-        )
+    if not out:
+        raise NoFeasiblePlan(_nothing_runs(model, request, cluster, kinds))
     out = _within_deadline(out, request, cluster)
     out.sort(
         key=lambda c: (
@@ -129,6 +100,48 @@ def candidate_plans(model: ModelSpec, request: TrainingRequest, cluster: Cluster
         )
     )
     return out
+
+
+def _usable_kinds(request: TrainingRequest, cluster: ClusterSpec) -> dict[str, tuple[GpuType, int, int]]:
+    """The cluster's GPU types that run the request's precision (``gpu_kinds``)."""
+    kinds = gpu_kinds(cluster)
+    if request.precision != "bf16":
+        return kinds
+    usable = {name: kind for name, kind in kinds.items() if kind[0].supports_bf16}
+    if not usable:
+        raise NoFeasiblePlan(
+            f"precision bf16 needs GPUs with bf16 support, and cluster {cluster.name!r} has none ({', '.join(kinds)}); request fp16 or fp32"
+        )
+    return usable
+
+
+def _check_search_size(request: TrainingRequest, cluster: ClusterSpec, plans: int) -> None:
+    if plans > MAX_PLANS:
+        n = request.global_batch
+        raise NoFeasiblePlan(
+            f"the plan search for global_batch {n:,} on cluster {cluster.name!r} spans {plans:,} plans, more than the "
+            f"{MAX_PLANS:,} it covers (about a second); pin part of the plan (frenzy plan --tp/--pp, a request's 'plan') "
+            f"or use a global batch with fewer divisors ({n:,} has {len(divisors(n))})"
+        )
+
+
+def _nothing_runs(model: ModelSpec, request: TrainingRequest, cluster: ClusterSpec, kinds: dict) -> str:
+    """Why the search found no plan at all: the pinned value that fails, else what resilience
+    'recycle' or the pin needs of the cluster."""
+    if request.plan and (reason := unmet_pin(model, request, cluster, kinds)):
+        return f"no plan with {request.plan.label()} runs on cluster {cluster.name!r}: {reason}"
+    if request.resilience == "recycle":
+        return (
+            f"resilience 'recycle' needs a pipeline plan with dp >= 2, pp >= 2, tp = 1 and zero 0, without master_weights"
+            f"{' and ' + request.plan.label() if request.plan else ''}, and none fits cluster {cluster.name!r}: "
+            "it needs at least 4 GPUs of one type"
+        )
+    pinned = request.plan.label() if request.plan else "nothing pinned"
+    return (
+        f"no plan with {pinned} runs on cluster {cluster.name!r}: tp must split the heads evenly and stay within one node, "
+        "pp at most the layers and a power of two, dp x tp x pp within one GPU type's count, "
+        f"dp x micro_batch dividing global_batch ({request.global_batch}), zero 2 without pp, zero 3 without tp or pp"
+    )
 
 
 def _time_and_cost(step_s: float, plan: ParallelPlan, gpu_type: str, request: TrainingRequest, cluster: ClusterSpec) -> dict:

@@ -19,14 +19,15 @@ Assumptions (each a knob; ``fit_achievable_fraction`` calibrates the first from 
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import NamedTuple
 
 from frenzy_prefect.memory.analytic import COMPUTE_BYTES, FP32
 from frenzy_prefect.spec.gpu import GpuType
-from frenzy_prefect.spec.layout import stage_parameters
+from frenzy_prefect.spec.layout import stage_shapes
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import ParallelPlan
-from frenzy_prefect.spec.request import Precision
+from frenzy_prefect.spec.workload import Workload
 
 SATURATION_TOKENS = 256
 OPTIMIZER_BYTES_MOVED = 32
@@ -41,15 +42,15 @@ def _ring_all_reduce_s(nbytes: float, peers: int, gbps: float) -> float:
     return ring_all_reduce_factor(peers) * nbytes / (gbps * 1e9)
 
 
-def boundary_activation_bytes(model: ModelSpec, plan: ParallelPlan, seq_len: int, precision: Precision) -> int:
+def boundary_activation_bytes(model: ModelSpec, plan: ParallelPlan, work: Workload) -> int:
     """One micro-batch's activation (or its gradient) passed between pipeline stages."""
-    return seq_len * plan.micro_batch * model.hidden * COMPUTE_BYTES[precision]
+    return work.seq_len * plan.micro_batch * model.hidden * COMPUTE_BYTES[work.precision]
 
 
-def tensor_parallel_s(model: ModelSpec, plan: ParallelPlan, seq_len: int, precision: Precision, gpu: GpuType) -> float:
+def tensor_parallel_s(model: ModelSpec, plan: ParallelPlan, work: Workload, gpu: GpuType) -> float:
     """Tensor-parallel all-reduces of one micro-batch on one stage: 4 activations per layer."""
     layers_per_stage = -(-model.layers // plan.pp)
-    return 4 * layers_per_stage * _ring_all_reduce_s(boundary_activation_bytes(model, plan, seq_len, precision), plan.tp, gpu.link_gbps)
+    return 4 * layers_per_stage * _ring_all_reduce_s(boundary_activation_bytes(model, plan, work), plan.tp, gpu.link_gbps)
 
 
 def optimizer_step_s(updated_parameters: float, gpu: GpuType) -> float:
@@ -62,6 +63,7 @@ def saturation(tokens: float) -> float:
     return tokens / (tokens + SATURATION_TOKENS)
 
 
+@lru_cache(maxsize=4096)
 def flops_per_token(model: ModelSpec, seq_len: int, recompute: str = "none") -> float:
     attention = 12 * model.layers * model.hidden * seq_len
     extra = {"none": 0.0, "selective": 4 * model.layers * model.hidden * seq_len, "full": 2 * model.parameters + attention / 3}
@@ -80,30 +82,21 @@ class StepTime(NamedTuple):
         return self.compute_at_peak_s / self.achievable_fraction + self.other_s
 
 
-def predict_step(
-    model: ModelSpec,
-    plan: ParallelPlan,
-    *,
-    global_batch: int,
-    seq_len: int,
-    precision: Precision,
-    gpu: GpuType,
-    network_gbps: float | None = None,
-) -> StepTime:
+def predict_step(model: ModelSpec, plan: ParallelPlan, work: Workload, *, gpu: GpuType, network_gbps: float | None = None) -> StepTime:
     """``network_gbps`` is the bandwidth between nodes when the placement spans nodes, None
     when it fits in one."""
-    accumulation = plan.accumulation(global_batch)
-    tokens = global_batch * seq_len
-    peak = (gpu.fp32_tflops if precision == "fp32" else gpu.half_tflops) * 1e12
+    accumulation = plan.accumulation(work.global_batch)
+    seq_len = work.seq_len
+    peak = (gpu.fp32_tflops if work.precision == "fp32" else gpu.half_tflops) * 1e12
     per_rank_tokens = plan.micro_batch * seq_len / plan.tp
-    compute = tokens * flops_per_token(model, seq_len, plan.recompute) / (plan.gpus * peak * saturation(per_rank_tokens))
+    compute = work.tokens * flops_per_token(model, seq_len, plan.recompute) / (plan.gpus * peak * saturation(per_rank_tokens))
     compute *= 1 + (plan.pp - 1) / accumulation
 
     between = network_gbps or gpu.link_gbps
-    stage_params = max(stage_parameters(model, plan, s) for s in range(plan.pp))
+    stage_params = max(params for _, params, _ in stage_shapes(model, plan.tp, plan.pp))
     dp_comm = _ring_all_reduce_s(FP32 * stage_params, plan.dp, between) * (1.5 if plan.zero == 3 else 1.0)
-    activation = boundary_activation_bytes(model, plan, seq_len, precision)
-    tp_comm = accumulation * tensor_parallel_s(model, plan, seq_len, precision, gpu)
+    activation = boundary_activation_bytes(model, plan, work)
+    tp_comm = accumulation * tensor_parallel_s(model, plan, work, gpu)
     pp_comm = 0.0 if plan.pp == 1 else 2 * (accumulation + plan.pp - 1) * activation / (between * 1e9)
     optimizer = optimizer_step_s(stage_params / (plan.dp if plan.zero else 1), gpu)
     return StepTime(compute, dp_comm + tp_comm + pp_comm + optimizer, gpu.achievable_fraction)

@@ -11,7 +11,13 @@ from frenzy_prefect.cli import cluster, memory, plan, recycle, simulate
 from frenzy_prefect.cli.common import OneLineErrors
 
 app = typer.Typer(
-    cls=OneLineErrors, help="Memory-aware LLM training on heterogeneous GPU clusters.", no_args_is_help=True, pretty_exceptions_enable=False
+    cls=OneLineErrors,
+    help="Memory-aware LLM training on heterogeneous GPU clusters.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    # click's plain help (every sub-command inherits it): rich's panels cut option names to fit 80
+    # columns and read `F:B:W` as the emoji code `:B:`.
+    rich_markup_mode=None,
 )
 cluster_app = typer.Typer(help="Cluster inventories (FrenzyCluster blocks).", no_args_is_help=True)
 app.add_typer(cluster_app, name="cluster")
@@ -31,6 +37,7 @@ app.command("deploy")(cluster.deploy)
 recycle_app.command("simulate")(recycle.simulate)
 cluster_app.command("save")(cluster.cluster_save)
 cluster_app.command("use")(cluster.pool_cluster)
+cluster_app.command("discover")(cluster.cluster_discover)
 recycle_app.command("plan")(recycle.plan)
 
 __all__ = ["app"]

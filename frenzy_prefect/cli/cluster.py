@@ -56,7 +56,6 @@ def deploy(
 ) -> None:
     """Create the train-llm/NAME and distributed-train/NAME deployments on POOL (and, with
     --on-new-data, a watch-datasets deployment and a train-llm one its events trigger)."""
-    from frenzy_prefect.flows.deployments import deploy_flows, deploy_on_new_data
     from frenzy_prefect.spec.request import TrainingRequest
 
     if approve and on_new_data is None:
@@ -68,6 +67,9 @@ def deploy(
     fields = {**_request_fields(request), "dataset": on_new_data} if request else {}
     if fields:
         TrainingRequest.model_validate(fields)  # refused now, not at the first landing
+    # Prefect's deployment machinery and the flows take seconds to import: only once the arguments are good.
+    from frenzy_prefect.flows.deployments import deploy_flows, deploy_on_new_data
+
     try:
         deploy_flows(pool, name)
         typer.echo(f"deployed train-llm/{name} and distributed-train/{name} to work pool {pool!r}")
@@ -111,3 +113,79 @@ def cluster_save(
     block_name = name or block.cluster.name
     block.save(block_name, overwrite=True)
     typer.echo(f"saved FrenzyCluster block {block_name!r} ({len(block.cluster.nodes)} nodes)")
+
+
+def cluster_discover(
+    slurm: bool = typer.Option(False, "--slurm", help="Read the nodes from Slurm (scontrol), its source of truth."),
+    kubernetes: bool = typer.Option(False, "--kubernetes", help="Read the nodes from Kubernetes (allocatable nvidia.com/gpu, GPU labels)."),
+    partition: str | None = typer.Option(None, "--partition", help="Only this Slurm partition's nodes."),
+    cluster_config: str | None = typer.Option(
+        None, "--cluster-config", help="With --kubernetes: a KubernetesClusterConfig block; default: in-cluster, else KUBECONFIG."
+    ),
+    name: str | None = typer.Option(None, "--name", help="The cluster's name (and its block's, unless --save names another)."),
+    gpu_types: Path | None = typer.Option(
+        None, "--gpu-types", help="YAML declaring GPU types the catalog lacks, named as Slurm or the GPU product label names them."
+    ),
+    save: str | None = typer.Option(None, "--save", help="Save the cluster as this FrenzyCluster block (overwriting one of that name)."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """A cluster's nodes and their typed GPUs, as the cluster manager knows them (with --slurm:
+    Slurm's nodes and GPU GRES; with --kubernetes: the nodes' allocatable GPUs and GPU feature
+    discovery labels; their types mapped to the catalog by name) and how many are free now."""
+    from frenzy_prefect.scheduling.inputs import load_gpu_types
+
+    if slurm == kubernetes:
+        raise FrenzyError(
+            "say where to discover the cluster: --slurm (Slurm's nodes) or --kubernetes (the cluster's nodes); "
+            "`frenzy discover` adds this machine's GPUs"
+        )
+    declared = load_gpu_types(gpu_types) if gpu_types else None
+    if slurm:
+        spec, free = _from_slurm(save or name or "slurm", partition, declared)
+    else:
+        spec, free = _from_kubernetes(save or name or "kubernetes", cluster_config, declared)
+    if save:
+        from frenzy_prefect.blocks import FrenzyCluster
+
+        FrenzyCluster(cluster=spec).save(save, overwrite=True)
+    if as_json:
+        echo_json({"cluster": spec.model_dump(mode="json"), "free_gpus": {n.name: free[n.name] for n in spec.nodes}, "saved_to": save})
+        return
+    for n in spec.nodes:
+        typer.echo(f"node {n.name} (host {n.host}): {n.gpu_count} x {n.gpu_type}, {free[n.name]} free now")
+    typer.echo(f"cluster {spec.name!r}: {len(spec.nodes)} nodes" + (f"; saved to block {save!r}" if save else ""))
+
+
+def _from_slurm(name: str, partition: str | None, declared):
+    from frenzy_prefect.launch.slurm_inventory import cluster_from_slurm, free_counts, read_nodes
+
+    nodes = read_nodes()
+    return cluster_from_slurm(nodes, name, partition, declared), free_counts(nodes)
+
+
+def _from_kubernetes(name: str, cluster_config: str | None, declared):
+    import asyncio
+
+    from frenzy_prefect.launch.kubernetes_client import api_client
+    from frenzy_prefect.launch.kubernetes_inventory import cluster_from_kubernetes, free_counts, read_cluster
+
+    kubeconfig, context = None, None
+    if cluster_config:
+        from frenzy_prefect.pool.kubernetes import load_cluster_config
+
+        kubeconfig, context = load_cluster_config(cluster_config)
+
+    async def read():
+        import aiohttp
+        from kubernetes_asyncio.client import ApiException
+
+        try:
+            async with api_client(kubeconfig, context) as api:
+                return await read_cluster(api)
+        except ApiException as exc:
+            raise FrenzyError(f"the Kubernetes API answered {exc.status} {exc.reason} listing nodes and pods") from None
+        except aiohttp.ClientError as exc:
+            raise FrenzyError(f"the Kubernetes API did not answer: {' '.join(str(exc).split())}") from None
+
+    nodes, pods = asyncio.run(read())
+    return cluster_from_kubernetes(nodes, name, declared), free_counts(nodes, pods)

@@ -34,8 +34,9 @@ def one_line_errors() -> Iterator[None]:
     try:
         yield
     except typer.TyperException as exc:
-        if type(exc).__name__ == "NoArgsIsHelpError":
-            raise  # no arguments at all: typer prints the help (no_args_is_help), as typer itself tells it apart
+        if type(exc).__name__ == "NoArgsIsHelpError":  # no arguments at all (no_args_is_help): the help
+            typer.echo(exc.ctx.get_help())  # on stdout, as --help prints it (click's plain mode would use stderr)
+            raise typer.Exit(USAGE_EXIT) from None
         ctx = getattr(exc, "ctx", None)
         hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
         message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
@@ -64,13 +65,28 @@ def echo_json(data: Any) -> None:
     typer.echo(json.dumps(data))
 
 
+def plain_table(caption: str | None = None) -> Table:
+    """The commands' one table style: no borders (rich's boxes cost three characters a column,
+    and are line art in a pipe), a bold header on a terminal, plain text otherwise. Cells wrap at
+    spaces rather than end in an ellipsis; ``print_table`` puts the title above it."""
+    return Table(caption=caption, box=None, header_style="bold", pad_edge=False, caption_justify="left")
+
+
+def print_table(title: str, table: Table) -> Console:
+    """The title on a line of its own (a table's own title wraps at the table's width), then the table."""
+    console = Console()
+    console.print(title)
+    console.print(table)
+    return console
+
+
 def print_metrics(title: str, rows: list[tuple[str, str]]) -> None:
-    table = Table(title=title)
+    table = plain_table()
     table.add_column("metric")
     table.add_column("value", justify="right")
     for name, value in rows:
         table.add_row(name, value)
-    Console().print(table)
+    print_table(title, table)
 
 
 # Options shared by the memory commands and `frenzy plan`.
@@ -93,8 +109,8 @@ def training_request(
     pin: dict | None = None,
     **fields: object,
 ) -> TrainingRequest:
-    """The workload a command describes, validated as a training request (it names no dataset),
-    so that bad values get the same one-line errors as in a flow."""
+    """What `frenzy plan` asks the allocator, validated as a training request (it names no
+    dataset: the allocator reads none), so that bad values get the same one-line errors as in a flow."""
     return TrainingRequest(
         model=model,
         dataset="-",

@@ -8,18 +8,20 @@ from collections.abc import Callable
 from pathlib import Path
 
 import typer
+from rich.console import Console
 
-from frenzy_prefect.cli.common import ATTENTION, MASTER_WEIGHTS, echo_json, gpu_type, training_request
+from frenzy_prefect.cli.common import ATTENTION, MASTER_WEIGHTS, echo_json, gpu_type, plain_table
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.memory.frameworks import FsdpOptions, MegatronOptions, check_framework
-from frenzy_prefect.memory.report import PerRank, estimated_per_rank, memory_report
+from frenzy_prefect.memory.report import Ranks, estimated_ranks, group_ranks, memory_report
 from frenzy_prefect.spec.plan import ParallelPlan
-from frenzy_prefect.units import gib
+from frenzy_prefect.spec.workload import Workload
+from frenzy_prefect.units import gib, significant
 
 
-class Workload:
+class MemoryOptions:
     """The options ``estimate`` and ``measure`` share, validated once (the same options, the same
-    schema: docs/architecture.md, Contracts)."""
+    schema: docs/architecture.md, Contracts): the model, the plan and the workload."""
 
     def __init__(
         self,
@@ -43,14 +45,13 @@ class Workload:
         self.spec = resolve_model(model, seq_len=seq_len)
         self.seq_len_default = seq_len is None
         self.plan = ParallelPlan(dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, zero=zero, recompute=recompute)
-        self.request = training_request(
-            model,
-            global_batch or self.plan.dp * self.plan.micro_batch,
-            seq_len or self.spec.max_seq_len,
-            precision,
-            optimizer,
-            attention,
-            master_weights,
+        self.work = Workload(
+            global_batch=self.plan.dp * self.plan.micro_batch if global_batch is None else global_batch,
+            seq_len=self.spec.max_seq_len if seq_len is None else seq_len,
+            precision=precision,
+            optimizer={"name": optimizer},
+            attention=attention,
+            master_weights=master_weights,
         )
         self.gpu = gpu_type(gpu) if gpu else None  # the plan itself is checked by estimate/measure
         self.framework = "frenzy"
@@ -59,19 +60,19 @@ class Workload:
         self.measured = False
 
     def seq_len_note(self) -> str:
-        s = self.request.seq_len
+        s = self.work.seq_len
         return f"seq_len {s} (the model's max_seq_len; set --seq-len)" if self.seq_len_default else f"seq_len {s}"
 
     def header(self) -> str:
-        r = self.request
-        precision = f"{r.precision} weights, fp32 masters" if r.master_weights else r.precision
+        w = self.work
+        precision = f"{w.precision} weights, fp32 masters" if w.master_weights else w.precision
         return (
             f"{self.spec.name} ({self.spec.parameters:,} parameters), {self.plan.label()}, {precision}, "
-            f"{r.attention} attention, {self.seq_len_note()}"
+            f"{w.attention} attention, {self.seq_len_note()}"
         )
 
-    def emit(self, per_rank: PerRank, as_json: bool) -> None:
-        out = memory_report(self.spec, self.plan, self.request, per_rank, framework=self.framework, gpu=self.gpu, measured=self.measured)
+    def emit(self, groups: list[Ranks], as_json: bool) -> None:
+        out = memory_report(self.spec, self.plan, self.work, groups, framework=self.framework, gpu=self.gpu, measured=self.measured)
         if as_json:
             echo_json(out | {"seq_len_default": self.seq_len_default, "notes": self.notes})
             return
@@ -83,11 +84,14 @@ class Workload:
             typer.echo(f"  figure: {out['figure']}")
         for note in self.notes:
             typer.echo(f"  {note}")
-        for rank, b in per_rank:
-            typer.echo(
-                f"  rank {rank} (stage {self.plan.coordinates(rank)[0]}): params {gib(b.params)}  grads {gib(b.grads)}"
-                f"  optimizer {gib(b.optimizer)}  activations {gib(b.activations)}  other {gib(b.other)}  GiB"
-            )
+        table = plain_table(caption="GiB per GPU; ranks that hold the same bytes share a row")
+        for column in ("ranks", "stage", "params", "grads", "optimizer", "activations", "other"):
+            table.add_column(column, justify="right")
+        for g in groups:
+            b = g.breakdown
+            ranks = str(g.first) if g.count == 1 else f"{g.first}-{g.last}"
+            table.add_row(ranks, str(g.stage), *map(gib, (b.params, b.grads, b.optimizer, b.activations, b.other)))
+        Console().print(table)
 
 
 MODEL_ARG = typer.Argument(..., help="Preset name or path/URI of an HF-style config.json.")
@@ -125,7 +129,7 @@ CE_FUSION = typer.Option(
 )
 
 
-def _memory_command(per_rank: Callable[[Workload], PerRank], doc: str) -> Callable[..., None]:
+def _memory_command(per_rank: Callable[[MemoryOptions], list[Ranks]], doc: str) -> Callable[..., None]:
     """``estimate`` or ``measure``: the same options and the same schema (docs/architecture.md, Contracts)."""
 
     def command(
@@ -149,7 +153,7 @@ def _memory_command(per_rank: Callable[[Workload], PerRank], doc: str) -> Callab
         vpp: int | None = VPP,
         cross_entropy_fusion: bool = CE_FUSION,
     ) -> None:
-        w = Workload(
+        w = MemoryOptions(
             model, dp, tp, pp, micro_batch, global_batch, seq_len, zero, recompute, precision, optimizer, gpu, attention, master_weights
         )
         _framework(w, framework, MegatronOptions(sequence_parallel=sequence_parallel, vpp=vpp, cross_entropy_fusion=cross_entropy_fusion))
@@ -159,11 +163,11 @@ def _memory_command(per_rank: Callable[[Workload], PerRank], doc: str) -> Callab
     return command
 
 
-def _framework(w: Workload, framework: str, options: MegatronOptions) -> None:
+def _framework(w: MemoryOptions, framework: str, options: MegatronOptions) -> None:
     """The framework and its options, checked: ``options`` (sequence parallelism, vpp, the fused loss) are Megatron's."""
     check_framework(framework)
     w.framework = framework
-    if framework != "frenzy" and w.request.master_weights:
+    if framework != "frenzy" and w.work.master_weights:
         raise FrenzyError(f"--master-weights is this engine's choice (--framework frenzy); {framework} keeps its own fp32 masters")
     if framework != "megatron":
         if options != MegatronOptions():
@@ -182,31 +186,18 @@ def _framework(w: Workload, framework: str, options: MegatronOptions) -> None:
     w.notes.append(f"megatron: distributed optimizer {'on (zero=1)' if w.plan.zero == 1 else 'off (zero=0)'}")
 
 
-def _estimated(w: Workload) -> PerRank:
-    return estimated_per_rank(w.spec, w.plan, w.request, w.gpu, framework=w.framework, options=w.options)
+def _estimated(w: MemoryOptions) -> list[Ranks]:
+    return estimated_ranks(w.spec, w.plan, w.work, w.gpu, framework=w.framework, options=w.options)
 
 
-def _measured(w: Workload) -> PerRank:
-    from frenzy_prefect.training.measure import Workload as Measured  # torch: imported here, never by `import frenzy_prefect.cli`
-    from frenzy_prefect.training.measure import measure
+def _measured(w: MemoryOptions) -> list[Ranks]:
+    from frenzy_prefect.training.measure import Measurement, measure  # torch: imported here, never by `import frenzy_prefect.cli`
 
     if w.framework != "frenzy":
         raise FrenzyError(f"measure runs this project's engine: --framework frenzy only (got {w.framework}); estimate takes megatron, fsdp")
     w.measured = True
-    r = w.request
-    ranks = measure(
-        Measured(
-            model=w.spec,
-            plan=w.plan,
-            global_batch=r.global_batch,
-            seq_len=r.seq_len,
-            precision=r.precision,
-            optimizer=r.optimizer,
-            attention=r.attention,
-            master_weights=r.master_weights,
-        )
-    )
-    return [(m.rank, m.breakdown) for m in ranks]
+    ranks = measure(Measurement(model=w.spec, plan=w.plan, work=w.work))
+    return group_ranks(w.plan, ((m.rank, m.breakdown) for m in ranks))
 
 
 estimate = _memory_command(_estimated, "Predicted per-GPU peak memory of one plan, per rank and by category.")
@@ -241,7 +232,7 @@ def calibrate(
     from frenzy_prefect.memory import peak_bytes
     from frenzy_prefect.memory.calibration import ENV, PACKAGED, Calibration, GpuConstants, fit, save
     from frenzy_prefect.profiling.model import resolve_model
-    from frenzy_prefect.training.measure import Workload as Measured
+    from frenzy_prefect.training.measure import Measurement
     from frenzy_prefect.training.measure import measure as run
 
     if not torch.cuda.is_available():
@@ -251,17 +242,14 @@ def calibrate(
     runs, measured = [], []
     for model, batch, seq_len, precision, recompute in CALIBRATION_RUNS:
         spec, plan_ = resolve_model(model, seq_len=seq_len), ParallelPlan(micro_batch=batch, recompute=recompute)
-        (rank,) = run(
-            Measured(model=spec, plan=plan_, global_batch=batch, seq_len=seq_len, precision=precision, optimizer={"name": "adamw"})
-        )
-        runs.append(
-            (spec, plan_, dict(global_batch=batch, seq_len=seq_len, precision=precision, optimizer_bytes_per_param=8, gpu=gpu_type_))
-        )
+        work = Workload(global_batch=batch, seq_len=seq_len, precision=precision)
+        (rank,) = run(Measurement(model=spec, plan=plan_, work=work))
+        runs.append((spec, plan_, work))
         measured.append(rank.device_peak)
         typer.echo(f"{model} mb={batch} seq={seq_len} {precision} recompute={recompute}: device peak {gib(rank.device_peak)} GiB")
 
     def predicted(calibration: Calibration) -> list[int]:
-        return [peak_bytes(spec, plan_, **kwargs, calibration=calibration) for spec, plan_, kwargs in runs]
+        return [peak_bytes(spec, plan_, work, gpu=gpu_type_, calibration=calibration) for spec, plan_, work in runs]
 
     tensors = predicted(Calibration(gpus={gpu: GpuConstants()}))
     constants = fit(tensors, measured, note=f"{len(measured)} runs of `frenzy calibrate` on {torch.cuda.get_device_name()}")
@@ -276,8 +264,11 @@ def presets() -> None:
     """The model presets and their sizes."""
     from frenzy_prefect.profiling.model import PRESETS
 
+    table = plain_table()
+    for column in ("preset", "parameters", "layers", "hidden", "heads", "vocab"):
+        table.add_column(column, justify="left" if column == "preset" else "right")
     for name, spec in PRESETS.items():
-        typer.echo(
-            f"{name:<12} {spec.parameters / 1e6:10.1f} M params  layers {spec.layers:>3}  hidden {spec.hidden:>5}  "
-            f"heads {spec.heads:>3}  vocab {spec.vocab_size}"
-        )
+        n = spec.parameters
+        size = f"{significant(n / 1e9)} B" if n >= 1e9 else f"{significant(n / 1e6)} M"
+        table.add_row(name, size, *map(str, (spec.layers, spec.hidden, spec.heads, spec.vocab_size)))
+    Console().print(table)

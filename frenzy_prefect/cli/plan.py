@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
-from frenzy_prefect.cli.common import ATTENTION, MASTER_WEIGHTS, echo_json, training_request
-from frenzy_prefect.units import gib
+from frenzy_prefect.cli.common import ATTENTION, MASTER_WEIGHTS, echo_json, plain_table, print_table, training_request
+from frenzy_prefect.units import duration, gib, usd
+
+if TYPE_CHECKING:
+    from frenzy_prefect.spec.cluster import ClusterSpec
+    from frenzy_prefect.spec.plan import Allocation, ParallelPlan, PlanCandidate
+
+if TYPE_CHECKING:  # the core is imported when a command runs, not when the CLI starts
+    from frenzy_prefect.spec.plan import Allocation, PlanCandidate
 
 
 def plan(
@@ -58,77 +64,65 @@ def plan(
     chosen = allocator.allocate(candidates, state)
     ranked = [c for c in candidates if c.fits][:top]
     if as_json:
-        plans = [
-            {
-                "gpu_type": c.gpu_type,
-                "gpus": c.plan.gpus,
-                "plan": c.plan.model_dump(),
-                "peak_bytes": c.memory.peak_bytes,
-                "gpu_memory_bytes": c.gpu_memory_bytes,
-                "margin_bytes": c.margin_bytes,
-                "spare_bytes": c.spare_bytes,
-                "step_time_s": c.step_time_s,
-                "total_time_s": c.total_time_s,
-                "cost": c.cost,
-            }
-            for c in ranked
-        ]
-        echo_json({"plans": plans, "chosen": chosen.model_dump(mode="json")})
+        echo_json(plans_json(ranked, chosen))
         return
-    margin = state.cluster.memory_margin
-    table = Table(
-        title=f"{model}, global batch {global_batch} x {seq_len} tokens, on {state.cluster.name}",
-        caption=f"peak: predicted tensors and the GPU around them; spare: what is left after a margin of "
-        f"max({margin.fraction:.0%} of the GPU, {gib(margin.floor_bytes, 1)} GiB)",
-    )
-    columns = (
-        "#",
-        "GPUs",
-        "type",
-        "dp",
-        "tp",
-        "pp",
-        "mb",
-        "ZeRO",
-        "recompute",
-        "peak GiB",
-        "of GiB",
-        "spare GiB",
-        "step s",
-        "total h",
-        "cost",
-    )
+    print_plans(f"{model}, global batch {global_batch} x {seq_len} tokens, on {state.cluster.name}", state.cluster, ranked, chosen, steps)
+
+
+def plans_json(ranked: list[PlanCandidate], chosen: Allocation) -> dict:
+    """`frenzy plan --json`: the ranked fitting plans and the chosen placement (a contract: docs/architecture.md)."""
+    plans = [
+        {
+            "gpu_type": c.gpu_type,
+            "gpus": c.plan.gpus,
+            "plan": c.plan.model_dump(),
+            "peak_bytes": c.memory.peak_bytes,
+            "gpu_memory_bytes": c.gpu_memory_bytes,
+            "margin_bytes": c.margin_bytes,
+            "spare_bytes": c.spare_bytes,
+            "step_time_s": c.step_time_s,
+            "total_time_s": c.total_time_s,
+            "cost": c.cost,
+        }
+        for c in ranked
+    ]
+    return {"plans": plans, "chosen": chosen.model_dump(mode="json")}
+
+
+def compact_plan(p: ParallelPlan) -> str:
+    """A plan in a table cell: ``dp2 tp1 pp2 mb8 z1``, and ``rc=selective`` or ``rc=full`` when it recomputes."""
+    recompute = "" if p.recompute == "none" else f" rc={p.recompute}"
+    return f"dp{p.dp} tp{p.tp} pp{p.pp} mb{p.micro_batch} z{p.zero}{recompute}"
+
+
+def print_plans(title: str, cluster: ClusterSpec, ranked: list[PlanCandidate], chosen: Allocation, steps: int) -> None:
+    """The ranked plans as a table that fits 80 columns (each GPU type's memory in the caption; a
+    total column only for more than one step, a cost column only where the cluster has prices),
+    then the chosen placement."""
+    with_total, with_cost = steps > 1, any(c.cost is not None for c in ranked)
+    table = plain_table(caption=_plans_caption(cluster, ranked, steps if with_total or with_cost else None))
+    columns = ["#", "GPUs", "plan", "peak\nGiB", "spare\nGiB", "step"] + ["total"] * with_total + ["cost"] * with_cost
     for column in columns:
-        table.add_column(column, justify="left" if column in ("type", "recompute") else "right")
+        table.add_column(column, justify="left" if column in ("GPUs", "plan") else "right")
     for i, c in enumerate(ranked, 1):
-        p = c.plan
-        table.add_row(
-            *map(
-                str,
-                (
-                    i,
-                    p.gpus,
-                    c.gpu_type,
-                    p.dp,
-                    p.tp,
-                    p.pp,
-                    p.micro_batch,
-                    p.zero,
-                    p.recompute,
-                    gib(c.memory.peak_bytes, 2),
-                    gib(c.gpu_memory_bytes, 2),
-                    gib(c.spare_bytes, 2),
-                ),
-            ),
-            f"{c.step_time_s:.4g}",
-            f"{c.total_time_s / 3600:.3g}",
-            "-" if c.cost is None else f"{c.cost:.4g}",
-        )
-    console = Console()
-    console.print(table)
+        cells = [str(i), f"{c.plan.gpus} x {c.gpu_type}", compact_plan(c.plan), gib(c.memory.peak_bytes, 2), gib(c.spare_bytes, 2)]
+        cells += [duration(c.step_time_s)] + [duration(c.total_time_s)] * with_total + [usd(c.cost)] * with_cost
+        table.add_row(*cells)
+    console = print_table(title, table)
     placed = ", ".join(f"{p.node} GPUs {p.gpus}" for p in chosen.placements)
     console.print(f"chosen: {chosen.plan.gpus} x {chosen.gpu_type}, {chosen.plan.label()} on {placed}")
     console.print(
         f"predicted peak {gib(chosen.memory.peak_bytes, 1)} GiB of {gib(chosen.gpu_memory_bytes, 1)} GiB per GPU: fits with "
         f"{gib(chosen.spare_bytes, 1)} GiB to spare (margin {gib(chosen.margin_bytes, 1)} GiB kept)"
+    )
+
+
+def _plans_caption(cluster: ClusterSpec, ranked: list[PlanCandidate], steps: int | None) -> str:
+    margin = cluster.memory_margin
+    memory = ", ".join(f"{t} {gib(b, 1)} GiB" for t, b in dict.fromkeys((c.gpu_type, c.gpu_memory_bytes) for c in ranked))
+    total = "" if steps is None else f"; total and cost: of {steps} steps" if steps > 1 else "; cost: of one step"
+    return (
+        f"plan: dp, tp, pp degrees, micro-batch, ZeRO stage, recomputation{total}. peak: predicted tensors and the GPU "
+        f"around them, per GPU ({memory}); spare: what is left after a margin of max({margin.fraction:.0%} of the GPU, "
+        f"{gib(margin.floor_bytes, 1)} GiB)"
     )

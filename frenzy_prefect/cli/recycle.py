@@ -5,11 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
-from frenzy_prefect.cli.common import echo_json, print_metrics
+from frenzy_prefect.cli.common import echo_json, plain_table, print_metrics, print_table
 from frenzy_prefect.errors import FrenzyError
+from frenzy_prefect.units import duration
 
 
 def _knobs(items: list[str]):
@@ -81,9 +80,9 @@ def simulate(
         ("throughput (window)", f"{result.throughput:.2f} samples/s, {result.ratio:.1%} of fault-free"),
         ("throughput (training span)", f"{result.span_throughput:.2f} samples/s, {result.span_ratio:.1%} of fault-free"),
         ("fault-free throughput", f"{result.fault_free_throughput:.2f} samples/s"),
-        ("window", f"{result.horizon_s / 3600:.2f} h from t={result.start_s:g} s, {result.workers_at_start} workers at start"),
+        ("window", f"{duration(result.horizon_s)} from t={duration(result.start_s)}, {result.workers_at_start} workers at start"),
         ("recovery events", ", ".join(f"{k} {n}" for k, n in result.counts.items() if k != "start") or "none"),
-        ("downtime / stalled", f"{result.downtime_s:.0f} s / {result.stalled_s:.0f} s"),
+        ("downtime / stalled", f"{duration(result.downtime_s)} / {duration(result.stalled_s)}"),
         ("samples lost to rollbacks", str(result.lost_samples)),
         ("stages that lost every replica", str(result.stage_wipeouts)),
         ("nodes outside the grid / spare fills", f"{result.nodes_outside_grid} / {result.spare_fills}"),
@@ -106,7 +105,11 @@ def plan(
         "", "--fail", help="Failed workers' stages, 0-based, comma-separated: 2,2,5 = two failures in stage 2, one in stage 5."
     ),
     planner_name: str = typer.Option("heuristic", "--planner", help="heuristic or milp."),
-    step_s: float = typer.Option(1.0, "--step-s", help="Fault-free 1F1B iteration time in seconds (costs follow from it: F:B:W = 1:1:1)."),
+    step_s: float = typer.Option(
+        1.0,
+        "--step-s",
+        help="Iteration time without failures in seconds, of the planner's own schedule (the costs follow from it; F, B, W cost 1:1:1).",
+    ),
     memory_bound: int | None = typer.Option(
         None, "--memory-bound", help="Most micro-batches a worker may hold in flight (F done, W not); default: unbounded."
     ),
@@ -114,7 +117,7 @@ def plan(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Plan one failure case: per stage the live workers, micro-batches each and bubble share; the
-    iteration time and throughput relative to fault-free 1F1B; the planner's time."""
+    iteration time and throughput relative to the planner's schedule without failures; the planner's time."""
     from frenzy_prefect.recycle.case_summary import plan_case
 
     out = plan_case(
@@ -123,25 +126,29 @@ def plan(
     if as_json:
         echo_json(out)
         return
-    table = Table(
-        title=f"dp={dp} pp={pp} microbatches={microbatches}, failures per stage {out['failures_per_stage']}, planner {out['planner']}"
-    )
+    print_case(out)
+
+
+def print_case(out: dict) -> None:
+    """`recycle plan`'s table and summary, from its JSON."""
+    table = plain_table()
     for column in ("stage", "live", "micro-batches each", "bubble"):
         table.add_column(column, justify="right")
     for st in out["stages"]:
         table.add_row(
             str(st["stage"]), str(st["live_workers"]), ", ".join(map(str, st["microbatches_per_worker"])), f"{st['bubble_fraction']:.1%}"
         )
-    console = Console()
-    console.print(table)
+    title = f"dp={out['dp']} pp={out['pp']} microbatches={out['microbatches']}, failures per stage {out['failures_per_stage']}"
+    console = print_table(f"{title}, planner {out['planner']}", table)
     gap = f", gap {out['mip_gap']:.2%}" if out["mip_gap"] is not None else ""
     console.print(
-        f"iteration {out['iteration_s']:.4g} s (fault-free 1F1B {out['fault_free_s']:.4g} s): "
-        f"{out['relative_throughput']:.1%} of fault-free throughput; planned in {out['planner_wall_s'] * 1e3:.1f} ms ({out['status']}{gap})"
+        f"iteration {duration(out['iteration_s'])} against {duration(out['fault_free_s'])} without failures (the same planner's "
+        f"schedule): {out['relative_throughput']:.1%} of its throughput; "
+        f"planned in {duration(out['planner_wall_s'])} ({out['status']}{gap})"
     )
     console.print(
-        f"back to back (staggered optimizer steps): {out['steady_state_period_s']:.4g} s per iteration, "
-        f"{out['steady_state_relative_throughput']:.1%} of fault-free"
+        f"back to back (staggered optimizer steps): {duration(out['steady_state_period_s'])} per iteration, "
+        f"{out['steady_state_relative_throughput']:.1%} of the same without failures"
     )
     for worker, program in out.get("actions", {}).items():
         console.print(f"({worker}): {program}", soft_wrap=True)

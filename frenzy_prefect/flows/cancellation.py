@@ -4,7 +4,7 @@ The worker stops a cancelled run's ranks with SIGTERM (through torchrun). Prefec
 turns a SIGTERM into Crashed unless its runner told it beforehand, over a loopback channel the
 `frenzy` worker does not have, that the signal means cancellation. So rank 0 asks the server:
 if its run is being cancelled when the signal arrives, it records the same intent the runner
-would have sent (Prefect 3.9's control listener), and the engine reports Cancelling, then
+would have sent (Prefect 3.9's control listener: ``prefect_private``), and the engine reports Cancelling, then
 Cancelled. Any other SIGTERM still reads as a crash."""
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from uuid import UUID
 
-from prefect._internal import control_listener
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import StateType
+
+from frenzy_prefect.prefect_private import record_cancel_intent
 
 
 def being_cancelled(flow_run_id: UUID) -> bool:
@@ -38,7 +39,7 @@ def sigterm_cancels_when_cancelling(flow_run_id: UUID) -> Iterator[None]:
 
     def handler(signum: int, frame: object) -> None:
         if being_cancelled(flow_run_id):
-            control_listener._set_intent("cancel")
+            record_cancel_intent()
         if callable(engine_handler):
             engine_handler(signum, frame)
         else:

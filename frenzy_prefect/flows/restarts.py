@@ -44,7 +44,7 @@ def failures_restart_while_torchrun_can(flow_run_id: UUID, log: Callable[[str], 
     except Exception as exc:
         log(f"rank 0 stops for torchrun to restart the ranks ({restarts_left()} restart(s) left): {type(exc).__name__}: {exc}")
         try:
-            APILogHandler.flush()  # os._exit skips the handler's own flush at exit
+            APILogHandler().flush()  # os._exit skips the handler's own flush at exit
         finally:
             os._exit(1)
     finally:

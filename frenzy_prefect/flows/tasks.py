@@ -28,7 +28,7 @@ from frenzy_prefect.spec.plan import Allocation, MemoryBreakdown, PlanCandidate,
 from frenzy_prefect.spec.request import TrainingRequest
 from frenzy_prefect.spec.result import TrainingReport, TrainingResult
 from frenzy_prefect.storage import open_uri, write_bytes
-from frenzy_prefect.units import gib
+from frenzy_prefect.units import duration, gib, usd
 
 ARTIFACT_ROWS = 25
 
@@ -121,9 +121,9 @@ def estimate_memory(model: ModelSpec, request: TrainingRequest, state: ClusterSt
             "margin GiB": gib(c.margin_bytes),
             "spare GiB": gib(c.spare_bytes),
             "fits": "yes" if c.fits else "no",
-            "step s (predicted)": f"{c.step_time_s:.4g}",
-            "total h (predicted)": f"{c.total_time_s / 3600:.3g}",
-            "cost (predicted)": "-" if c.cost is None else f"{c.cost:.4g}",
+            "step time (predicted)": duration(c.step_time_s),
+            "total time (predicted)": duration(c.total_time_s),
+            "cost (predicted)": usd(c.cost),
         }
         for rank, c in enumerate(candidates[:ARTIFACT_ROWS], 1)
     ]
@@ -156,7 +156,7 @@ def allocate(candidates: list[PlanCandidate], state: ClusterState) -> Allocation
             f"- placement: {placed}\n"
             f"- predicted peak memory per GPU: {gib(chosen.memory.peak_bytes)} GiB of {gib(chosen.gpu_memory_bytes)} GiB; "
             f"fits with {gib(chosen.spare_bytes)} GiB to spare (margin {gib(chosen.margin_bytes)} GiB kept)\n"
-            f"- predicted step time: {chosen.step_time_s:.4g} s\n\n"
+            f"- predicted step time: {duration(chosen.step_time_s)}\n\n"
             + "| "
             + " | ".join(breakdown)
             + " |\n"

@@ -15,6 +15,7 @@ from frenzy_prefect.blocks import cluster_block_name
 from frenzy_prefect.datasets.prepare import for_model
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.flows.cancellation import sigterm_cancels_when_cancelling
+from frenzy_prefect.flows.rank_deaths import crashed_naming_a_dead_rank, noting_a_restart
 from frenzy_prefect.flows.reporting import TrainingReporter
 from frenzy_prefect.flows.restarts import failures_restart_while_torchrun_can, restarts_left
 from frenzy_prefect.flows.tasks import (
@@ -109,12 +110,13 @@ def distributed_train(job: TrainingJob) -> TrainingResult:
     """Rank 0 of a training job (the `frenzy` worker starts the other ranks beside it)."""
     run_id, log = FlowRunContext.get().flow_run.id, get_run_logger().info
     report = TrainingReporter(run_id, job)
-    with sigterm_cancels_when_cancelling(run_id), failures_restart_while_torchrun_can(run_id, log):
+    notify = noting_a_restart(report, job, log)
+    with sigterm_cancels_when_cancelling(run_id), crashed_naming_a_dead_rank(run_id, job), failures_restart_while_torchrun_can(run_id, log):
         try:
             if job.request.resilience == "recycle":  # rank 0's trainer runs beside this flow run, which survives it
-                result = supervise(job, DistributedContext.from_env(), log=log, notify=report)
+                result = supervise(job, DistributedContext.from_env(), log=log, notify=notify)
             else:
-                result = train_ranks(job, DistributedContext.from_env(), log=log, notify=report)
+                result = train_ranks(job, DistributedContext.from_env(), log=log, notify=notify)
         except Exception as exc:
             if restarts_left() <= 0:  # (else torchrun starts the ranks again)
                 report("failed", {"error": f"{type(exc).__name__}: {exc}"[:500]})

@@ -13,23 +13,35 @@ from frenzy_prefect.spec.plan import JOB_ENV, TrainingJob
 MASTER_PORT_ENV = "PET_MASTER_PORT"
 
 
+def agent_argv(python: str, *, nnodes: int, node_rank: int, nproc: int, master: str, max_restarts: int) -> list[str]:
+    """One node's torchrun agent, training the job in its environment (JOB_ENV)."""
+    return [
+        python,
+        "-m",
+        "frenzy_prefect.launch.agent",  # torchrun, telling the launcher which rank failed
+        f"--nnodes={nnodes}",
+        f"--node-rank={node_rank}",
+        f"--nproc-per-node={nproc}",
+        f"--master-addr={master}",
+        f"--max-restarts={max_restarts}",  # each restart resumes from the last checkpoint
+        "-m",
+        "frenzy_prefect.training.entry",
+    ]
+
+
 def rank_launches(job: TrainingJob, *, python: str, env: dict[str, str]) -> list[Launch]:
     placements = job.allocation.placements
     master = placements[0].host
     launches = []
     for node_rank, placement in enumerate(placements):
-        argv = [
+        argv = agent_argv(
             python,
-            "-m",
-            "frenzy_prefect.launch.agent",  # torchrun, telling the launcher which rank failed
-            f"--nnodes={len(placements)}",
-            f"--node-rank={node_rank}",
-            f"--nproc-per-node={len(placement.gpus)}",
-            f"--master-addr={master}",
-            f"--max-restarts={job.request.max_restarts}",  # each restart resumes from the last checkpoint
-            "-m",
-            "frenzy_prefect.training.entry",
-        ]
+            nnodes=len(placements),
+            node_rank=node_rank,
+            nproc=len(placement.gpus),
+            master=master,
+            max_restarts=job.request.max_restarts,
+        )
         node_env = {
             **env,
             JOB_ENV: job.model_dump_json(),

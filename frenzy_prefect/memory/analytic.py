@@ -52,6 +52,8 @@ torch's FSDP2 keeps (``fully_sharded_peak``). ``peak_bytes`` is the search path
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from collections.abc import Sequence
 from functools import lru_cache
@@ -77,22 +79,21 @@ from frenzy_prefect.spec.layout import (
 )
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import MemoryBreakdown, MemoryEstimate, ParallelPlan
-from frenzy_prefect.spec.request import Attention, Precision
+from frenzy_prefect.spec.workload import Workload
 
 COMPUTE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
 FP32 = 4
 INDEX = 8  # token ids are int64
 
 
-def partition_overlap(sizes: list[int], part: int, rank: int) -> int:
+def partition_overlap(offsets: Sequence[int], part: int, rank: int) -> int:
     """Elements of the tensors that overlap ``rank``'s slice of the flattened parameters: ZeRO-2
-    allocates their gradients when it reduces them into that slice."""
-    low, high, offset, total = rank * part, (rank + 1) * part, 0, 0
-    for n in sizes:
-        if offset < high and offset + n > low:
-            total += n
-        offset += n
-    return total
+    allocates their gradients when it reduces them into that slice. ``offsets``: where each tensor
+    starts in the flattened parameters, then their total."""
+    low, high = rank * part, (rank + 1) * part
+    first = bisect.bisect_right(offsets, low, 1) - 1  # the first tensor ending after low
+    end = bisect.bisect_left(offsets, high, 0, len(offsets) - 1)  # the first tensor starting at or after high
+    return offsets[end] - offsets[first] if end > first else 0
 
 
 class ZeroLayout(NamedTuple):
@@ -117,7 +118,16 @@ def zero_layout(model: ModelSpec, dp: int, tp: int = 1) -> ZeroLayout:
     part = padded // dp
     # reduced by the end of the last block's backward: the last block, the final norm and the head
     tail = sum(block_tensors(model, tp)) + sum(r * c for r, c in head_shapes(model, tp, own_head=not model.tied_embeddings))
-    overlaps = [(partition_overlap(sizes, part, rank), (rank + 1) * part > n - tail) for rank in range(dp)]
+    offsets = [0, *itertools.accumulate(sizes)]
+    first_tail = (n - tail) // part  # the first rank whose slice reaches into the tail
+    # A slice that neither starts nor ends a tensor lies inside one (or in the padding) and overlaps
+    # what its neighbours do: the ranks at tensor boundaries, beside them, beside the tail's first
+    # rank, and the first and last stand for all dp ranks.
+    ranks = {0, dp - 1, first_tail - 1, first_tail}
+    for start, end in itertools.pairwise(offsets):
+        for r in (start // part, (end - 1) // part):
+            ranks.update((r - 1, r, r + 1))
+    overlaps = [(partition_overlap(offsets, part, r), (r + 1) * part > n - tail) for r in ranks if 0 <= r < dp]
     return ZeroLayout(
         total=n,
         padded=padded,
@@ -166,30 +176,28 @@ class NormBytes(NamedTuple):
     saved: int
 
 
-def norm_bytes(model: ModelSpec, sb: int, precision: Precision, master_weights: bool) -> NormBytes:
+def norm_bytes(model: ModelSpec, sb: int, work: Workload) -> NormBytes:
     """The residual stream is fp32 under autocast, in the compute dtype with half weights (master
     weights). LayerNorm keeps its input, mean and reciprocal deviation (in its input's dtype);
     RMSNorm (torch's, on CPU) its input upcast to fp32 (the input itself when fp32), its
     reciprocal root mean square and the normalised input (before the scale), both fp32."""
-    residual = COMPUTE_BYTES[precision] if master_weights else FP32
+    residual = COMPUTE_BYTES[work.precision] if work.master_weights else FP32
     if model.norm == "rmsnorm":
         return NormBytes(residual, FP32, FP32 * sb + FP32 * sb * model.hidden)
     return NormBytes(residual, residual, 2 * residual * sb)
 
 
-def layer_activations(
-    model: ModelSpec, tp: int, micro_batch: int, seq_len: int, precision: Precision, attention: Attention, master_weights: bool = False
-) -> tuple[int, int, int]:
+def layer_activations(model: ModelSpec, tp: int, micro_batch: int, work: Workload) -> tuple[int, int, int]:
     """(what one block keeps for its backward around the attention core, what the core keeps
     beyond its inputs, what a checkpoint of the core keeps instead: its inputs), tensor by tensor."""
-    s, b, h, f, kv, t = seq_len, micro_batch, model.hidden, model.ffn_hidden, model.kv_width, tp
-    e = COMPUTE_BYTES[precision]
+    s, b, h, f, kv, t = work.seq_len, micro_batch, model.hidden, model.ffn_hidden, model.kv_width, tp
+    e = COMPUTE_BYTES[work.precision]
     sbh, sb = s * b * h, s * b
     # Autocast's half-precision weight copies are saved for the backward by torch's linear layers
     # (FSDP2's gathered weights too: they are ordinary parameters while gathered); half weights have none.
-    saves_copies = e < FP32 and not master_weights
+    saves_copies = e < FP32 and not work.master_weights
     norm_out = e * sbh  # what the layer after a norm saves: the norm's output in (or cast to) the compute dtype
-    norm = norm_bytes(model, sb, precision, master_weights)
+    norm = norm_bytes(model, sb, work)
     around = (
         2 * norm.input * sbh  # what the two norms keep of the block input and of the residual after attention
         + 2 * norm.saved
@@ -201,7 +209,7 @@ def layer_activations(
     )
     # The core's inputs: QKV's output (q, k, v are views of it) and, with RoPE, the rotated q and k.
     inputs = e * sb * (h + 2 * kv) // t + (e * sb * (h + kv) // t if model.position == "rope" else 0)
-    if attention == "flash":  # fused: q, k (kv_heads wide: enable_gqa), v, its output and the log-sum-exp
+    if work.attention == "flash":  # fused: q, k (kv_heads wide: enable_gqa), v, its output and the log-sum-exp
         return around, inputs + FP32 * b * (model.heads // t) * s, inputs
     # Eager: q, k and v as its matmuls keep them (contiguous copies, k and v expanded to every
     # head, QKV's output freed), the fp32 softmax output, the probabilities cast to the compute
@@ -213,30 +221,21 @@ def layer_activations(
 
 
 @lru_cache(maxsize=4096)
-def micro_batch_terms(
-    model: ModelSpec,
-    tp: int,
-    micro_batch: int,
-    seq_len: int,
-    precision: Precision,
-    recompute: str,
-    attention: Attention = "flash",
-    master_weights: bool = False,
-) -> MicroBatchTerms:
+def micro_batch_terms(model: ModelSpec, tp: int, micro_batch: int, recompute: str, work: Workload) -> MicroBatchTerms:
     # V: this rank's vocabulary slice (the whole padded vocabulary when t = 1; ``vocab_rows``).
-    s, b, h, f, V, t = seq_len, micro_batch, model.hidden, model.ffn_hidden, vocab_rows(model, tp), tp
-    e = COMPUTE_BYTES[precision]
+    s, b, h, f, V, t = work.seq_len, micro_batch, model.hidden, model.ffn_hidden, vocab_rows(model, tp), tp
+    e = COMPUTE_BYTES[work.precision]
     half = e < FP32
-    copies = half and not master_weights  # autocast's half weight copies
+    copies = half and not work.master_weights  # autocast's half weight copies
     sbh, sb, sbV = s * b * h, s * b, s * b * V
     norm_out = e * sbh
-    norm = norm_bytes(model, sb, precision, master_weights)
+    norm = norm_bytes(model, sb, work)
     r = norm.residual
     # A block's input is what its first norm keeps, unless RMSNorm keeps an fp32 copy of a half one.
     input_is_kept = norm.input == r
     # Half weights: each parameter's half gradient lives only until it is added into its fp32 main gradient.
-    g = e if master_weights else FP32
-    around, core, core_inputs = layer_activations(model, t, b, s, precision, attention, master_weights)
+    g = e if work.master_weights else FP32
+    around, core, core_inputs = layer_activations(model, t, b, work)
     layer = around + (core_inputs if recompute == "selective" else core)
     # The last block's MLP backward: the residual's gradient, an ffn-wide gradient, the weight
     # gradients of the MLP-out (and of SwiGLU's second ffn-wide part) and MLP-out's bias gradient.
@@ -246,7 +245,7 @@ def micro_batch_terms(
         block_temp += around + core - (r * sbh if input_is_kept else 0)
     # Made once per micro-batch and shared by a stage's blocks: the rotary tables (compute dtype)
     # and eager attention's causal mask (bool).
-    shared = (2 * s * model.head_dim * e if model.position == "rope" else 0) + (s * s if attention == "eager" else 0)
+    shared = (2 * s * model.head_dim * e if model.position == "rope" else 0) + (s * s if work.attention == "eager" else 0)
     # Split over the vocabulary (t > 1), the embedding keeps its rank-local token ids (int64) and
     # the mask of the tokens other ranks hold (bool), and so does the loss for the targets.
     local_ids = (INDEX + 1) * sb if t > 1 else 0
@@ -320,66 +319,61 @@ def adam_temporaries(tensor_elements: int, optimizer_bytes_per_param: int, on_gp
 Breakdown = tuple[int, int, int, int, int]  # params, grads, optimizer, saved activations, transient
 
 
+@lru_cache(maxsize=1 << 16)  # the allocator asks again for each GPU type: one plan search fits
 def stage_peaks(
-    model: ModelSpec,
-    plan: ParallelPlan,
-    *,
-    global_batch: int,
-    seq_len: int,
-    precision: Precision,
-    optimizer_bytes_per_param: int,
-    on_gpu: bool,
-    stages: Sequence[int] | None = None,
-    attention: Attention = "flash",
-    master_weights: bool = False,
-) -> list[Breakdown]:
+    model: ModelSpec, plan: ParallelPlan, work: Workload, *, on_gpu: bool, stages: Sequence[int] | None = None
+) -> tuple[Breakdown, ...]:
     """The tensors at the peak of a rank of each of ``stages`` (default: every pipeline stage), as
-    plain tuples. ``master_weights``: half weights (2 bytes), fp32 main gradients (4) and fp32
+    plain tuples. Master weights: half weights (2 bytes), fp32 main gradients (4) and fp32
     masters beside the optimizer states (4 + states, both for the replica's share under ZeRO-1)."""
     check_plan(model, plan)
-    if master_weights and (precision == "fp32" or plan.zero == 2):
+    if work.master_weights and plan.zero == 2:
         raise FrenzyError("master weights are half weights beside fp32 masters, with zero 0, 1 or 3 (not 2) and precision bf16 or fp16")
-    micro_batches = plan.accumulation(global_batch)
-    terms = micro_batch_terms(model, plan.tp, plan.micro_batch, seq_len, precision, plan.recompute, attention, master_weights)
-    weight_bytes = COMPUTE_BYTES[precision] if master_weights else FP32
-    master_bytes = FP32 if master_weights else 0
+    micro_batches = plan.accumulation(work.global_batch)
+    terms = micro_batch_terms(model, plan.tp, plan.micro_batch, plan.recompute, work)
+    optimizer_bytes = work.optimizer_bytes_per_param
+    weight_bytes = COMPUTE_BYTES[work.precision] if work.master_weights else FP32
+    master_bytes = FP32 if work.master_weights else 0
     shapes = stage_shapes(model, plan.tp, plan.pp)
     out = []
     for stage in range(plan.pp) if stages is None else stages:
         layers, params, largest = shapes[stage]
         moments = activation_moments(terms, plan, layers=layers, micro_batches=micro_batches, stage=stage)
         if plan.zero == 3:
-            out.append(fully_sharded_peak(model, plan, moments, optimizer_bytes_per_param, on_gpu, weight_bytes))
+            out.append(fully_sharded_peak(model, plan, moments, optimizer_bytes, on_gpu, weight_bytes))
             continue
         if plan.zero == 2:
-            out.append(_zero2_peak(model, plan, moments, micro_batches, optimizer_bytes_per_param, on_gpu))
+            out.append(_zero2_peak(model, plan, moments, micro_batches, optimizer_bytes, on_gpu))
             continue
         # ZeRO-1: each data-parallel rank updates its share of the tensors; the worst share decides.
-        shares = optimizer_shares(model, plan, stage) if plan.zero == 1 else ((params, largest),)
+        shares = optimizer_shares(model, plan.tp, plan.pp, plan.dp, stage) if plan.zero == 1 else ((params, largest),)
         worst: Breakdown = (0, 0, 0, 0, 0)
         for owned, owned_largest in shares:
-            step = (moments.ids, adam_temporaries(owned if on_gpu else owned_largest, optimizer_bytes_per_param, on_gpu))
-            rebuild = (moments.ids, FP32 * params if uses_ddp(plan, master_weights) else 0)
+            step = (moments.ids, adam_temporaries(owned if on_gpu else owned_largest, optimizer_bytes, on_gpu))
+            rebuild = (moments.ids, FP32 * params if uses_ddp(plan, work.master_weights) else 0)
             saved, transient = max(
                 (*moments.before_grads, moments.block, moments.final_norm or step, moments.embedding or step, step, rebuild), key=sum
             )
-            states = (master_bytes + optimizer_bytes_per_param) * owned
+            states = (master_bytes + optimizer_bytes) * owned
             worst = max(worst, (weight_bytes * params, FP32 * params, states, saved, transient), key=sum)
         out.append(worst)
-    return out
+    return tuple(out)
 
 
 @lru_cache(maxsize=4096)
-def optimizer_shares(model: ModelSpec, plan: ParallelPlan, stage: int) -> tuple[tuple[int, int], ...]:
-    """(elements, largest tensor) each data-parallel rank of ``stage`` updates under ZeRO-1, as
-    torch's ZeroRedundancyOptimizer deals whole tensors out: largest first, each to the rank
-    holding the fewest elements so far."""
-    sizes = stage_tensor_sizes(model, plan, stage)
-    totals, largest = [0] * plan.dp, [0] * plan.dp
-    for n, rank in zip(sizes, deal_out(sizes, plan.dp), strict=True):
-        totals[rank] += n
-        largest[rank] = max(largest[rank], n)
-    return tuple(zip(totals, largest, strict=True))
+def optimizer_shares(model: ModelSpec, tp: int, pp: int, dp: int, stage: int) -> tuple[tuple[int, int], ...]:
+    """The distinct (elements, largest tensor) a data-parallel rank of ``stage`` updates under
+    ZeRO-1, in rank order, as torch's ZeroRedundancyOptimizer deals whole tensors out: largest
+    first, each to the rank holding the fewest elements so far (``deal_out``). Ranks alike are one
+    entry (those dealt nothing last), so the cost follows the tensors, not dp."""
+    sizes = stage_tensor_sizes(model, ParallelPlan(tp=tp, pp=pp), stage)
+    totals: dict[int, int] = {}
+    largest: dict[int, int] = {}
+    for n, rank in zip(sizes, deal_out(sizes, dp), strict=True):
+        totals[rank] = totals.get(rank, 0) + n
+        largest[rank] = max(largest.get(rank, 0), n)
+    shares = [(totals[r], largest[r]) for r in sorted(totals)] + ([(0, 0)] if len(totals) < dp else [])
+    return tuple(dict.fromkeys(shares))
 
 
 def _runtime(constants: GpuConstants, tensors: int) -> int:
@@ -387,71 +381,30 @@ def _runtime(constants: GpuConstants, tensors: int) -> int:
 
 
 def peak_bytes(
-    model: ModelSpec,
-    plan: ParallelPlan,
-    *,
-    global_batch: int,
-    seq_len: int,
-    precision: Precision,
-    optimizer_bytes_per_param: int,
-    gpu: GpuType | None = None,
-    calibration: Calibration | None = None,
-    attention: Attention = "flash",
-    master_weights: bool = False,
+    model: ModelSpec, plan: ParallelPlan, work: Workload, *, gpu: GpuType | None = None, calibration: Calibration | None = None
 ) -> int:
     """The predicted peak of ``plan``'s most loaded GPU, without the itemised breakdown."""
     constants = (calibration or default_calibration()).for_gpu(gpu)
     # The middle stages' peaks fall with their index (fewer micro-batches in flight, no more
     # layers), so the first, second and last stages bound them all.
     pp = plan.pp
-    peaks = stage_peaks(
-        model,
-        plan,
-        global_batch=global_batch,
-        seq_len=seq_len,
-        precision=precision,
-        optimizer_bytes_per_param=optimizer_bytes_per_param,
-        on_gpu=gpu is not None,
-        stages=(0, 1, pp - 1) if pp > 2 else range(pp),
-        attention=attention,
-        master_weights=master_weights,
-    )
+    peaks = stage_peaks(model, plan, work, on_gpu=gpu is not None, stages=(0, 1, pp - 1) if pp > 2 else range(pp))
     tensors = max(sum(p) for p in peaks)
     return tensors + _runtime(constants, tensors)
 
 
 def estimate(
-    model: ModelSpec,
-    plan: ParallelPlan,
-    *,
-    global_batch: int,
-    seq_len: int,
-    precision: Precision,
-    optimizer_bytes_per_param: int,
-    gpu: GpuType | None = None,
-    calibration: Calibration | None = None,
-    attention: Attention = "flash",
-    master_weights: bool = False,
+    model: ModelSpec, plan: ParallelPlan, work: Workload, *, gpu: GpuType | None = None, calibration: Calibration | None = None
 ) -> MemoryEstimate:
     """Predicted peak bytes on one GPU of every pipeline stage of ``plan``, itemised (``gpu``
     None: the tensors alone, as MemTracker measures them on CPU)."""
     constants = (calibration or default_calibration()).for_gpu(gpu)
-    peaks = stage_peaks(
-        model,
-        plan,
-        global_batch=global_batch,
-        seq_len=seq_len,
-        precision=precision,
-        optimizer_bytes_per_param=optimizer_bytes_per_param,
-        on_gpu=gpu is not None,
-        attention=attention,
-        master_weights=master_weights,
-    )
-    # model_construct: every field is a non-negative int by construction; the allocator calls
-    # this for every candidate plan, and validation would cost more than the arithmetic.
-    return MemoryEstimate.model_construct(
+    peaks = stage_peaks(model, plan, work, on_gpu=gpu is not None)
+    # Validated, not model_construct: pydantic 2.14 validates five ints faster than it constructs
+    # without validation (3.7 against 8 us), and the allocator does this for every candidate plan.
+    return MemoryEstimate(
         per_stage=[
-            MemoryBreakdown.model_construct(
+            MemoryBreakdown(
                 params=p, grads=g, optimizer=o, activations=saved, other=transient + _runtime(constants, p + g + o + saved + transient)
             )
             for p, g, o, saved, transient in peaks

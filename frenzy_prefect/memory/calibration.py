@@ -129,6 +129,7 @@ def packaged_calibration() -> Calibration:
     return Calibration.load(PACKAGED)
 
 
+@lru_cache(maxsize=256)  # asked for every plan the allocator estimates on the type
 def assumed_constants(gpu: GpuType) -> GpuConstants:
     """What is assumed for ``gpu`` before anything is measured on it: the packaged entry of
     its type, else its declared ``runtime_overhead_bytes`` (all three terms in one), else

@@ -23,7 +23,7 @@ from frenzy_prefect.spec.gpu import GpuType
 from frenzy_prefect.spec.layout import stage_parameters
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import ParallelPlan
-from frenzy_prefect.spec.request import Precision
+from frenzy_prefect.spec.workload import Workload
 
 # Zero Bubble's split: a transformer's backward is two matrix products per forward one, one for the
 # input gradient (B) and one for the weight gradient (W), so F : B : W = 1 : 1 : 1 in FLOPs.
@@ -95,10 +95,8 @@ class StageCosts(BaseModel):
         cls,
         model: ModelSpec,
         plan: ParallelPlan,
+        work: Workload,
         *,
-        global_batch: int,
-        seq_len: int,
-        precision: Precision,
         gpu: GpuType,
         network_gbps: float | None = None,
         split: tuple[float, float, float] = ZERO_BUBBLE_SPLIT,
@@ -107,12 +105,10 @@ class StageCosts(BaseModel):
         bubble-free compute of one GPU's step divided over the micro-batches and split F : B : W
         (balanced stages, as the model assumes), tensor-parallel all-reduces added to F and B, the
         stage boundary send, and each stage's own gradient bytes and optimizer step."""
-        step = predict_step(
-            model, plan, global_batch=global_batch, seq_len=seq_len, precision=precision, gpu=gpu, network_gbps=network_gbps
-        )
-        micro_batches = plan.accumulation(global_batch)
+        step = predict_step(model, plan, work, gpu=gpu, network_gbps=network_gbps)
+        micro_batches = plan.accumulation(work.global_batch)
         compute = step.compute_at_peak_s / step.achievable_fraction / (1 + (plan.pp - 1) / micro_batches) / micro_batches
-        tp = tensor_parallel_s(model, plan, seq_len, precision, gpu) / 2  # half in the forward, half in the backward
+        tp = tensor_parallel_s(model, plan, work, gpu) / 2  # half in the forward, half in the backward
         between = network_gbps or gpu.link_gbps
         total = sum(split)
         params = [stage_parameters(model, plan, s) for s in range(plan.pp)]
@@ -120,7 +116,7 @@ class StageCosts(BaseModel):
             forward_s=[compute * split[0] / total + tp] * plan.pp,
             backward_input_s=[compute * split[1] / total + tp] * plan.pp,
             backward_weight_s=[compute * split[2] / total] * plan.pp,
-            p2p_s=boundary_activation_bytes(model, plan, seq_len, precision) / (between * 1e9) if plan.pp > 1 else 0.0,
+            p2p_s=boundary_activation_bytes(model, plan, work) / (between * 1e9) if plan.pp > 1 else 0.0,
             gradient_transfer_s=[FP32 * n / (between * 1e9) for n in params],
             optimizer_s=[optimizer_step_s(n / (plan.dp if plan.zero else 1), gpu) for n in params],
         )

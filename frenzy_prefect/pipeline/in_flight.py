@@ -16,7 +16,7 @@ from frenzy_prefect.spec.gpu import GpuType
 from frenzy_prefect.spec.layout import stage_layer_counts
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import ParallelPlan
-from frenzy_prefect.spec.request import Precision
+from frenzy_prefect.spec.workload import Workload
 
 MemoryBound = int | Sequence[int] | None
 
@@ -43,30 +43,13 @@ def in_flight_peak(schedule: Schedule, worker: Worker) -> int:
     return peak
 
 
-def in_flight_bound(
-    model: ModelSpec,
-    plan: ParallelPlan,
-    gpu: GpuType,
-    *,
-    global_batch: int,
-    seq_len: int,
-    precision: Precision,
-    optimizer_bytes_per_param: int = 8,
-) -> list[int]:
+def in_flight_bound(model: ModelSpec, plan: ParallelPlan, work: Workload, gpu: GpuType) -> list[int]:
     """Per stage, how many micro-batches fit in flight on one GPU: the GPU's memory less everything
     MARP's estimate puts there besides saved activations (model states, transients, runtime
     overhead) and the step's token ids, divided by one in-flight micro-batch's bytes."""
-    memory = estimate(
-        model,
-        plan,
-        global_batch=global_batch,
-        seq_len=seq_len,
-        precision=precision,
-        optimizer_bytes_per_param=optimizer_bytes_per_param,
-        gpu=gpu,
-    )
-    terms = micro_batch_terms(model, plan.tp, plan.micro_batch, seq_len, precision, plan.recompute)
-    ids = plan.accumulation(global_batch) * terms.ids
+    memory = estimate(model, plan, work, gpu=gpu)
+    terms = micro_batch_terms(model, plan.tp, plan.micro_batch, plan.recompute, work)
+    ids = plan.accumulation(work.global_batch) * terms.ids
     layers = stage_layer_counts(model.layers, plan.pp)
     bounds = []
     for stage, b in enumerate(memory.per_stage):

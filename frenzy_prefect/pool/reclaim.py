@@ -68,7 +68,8 @@ def _worker_is_gone(run: FlowRun, offline: set[str]) -> bool:
 
 async def _reschedule(worker: BaseWorker, run: FlowRun) -> None:
     lost = f"{run.labels.get(run_labels.WORKER)!r} ({run.labels.get(run_labels.PROCESS)})"
-    await worker.client.update_flow_run_labels(run.id, {run_labels.WAITING_FOR: "", run_labels.PROCESS: ""})
+    # (A take the lost worker had begun holds a lease nobody renews: it expires.)
+    await worker.client.update_flow_run_labels(run.id, {run_labels.WAITING_FOR: "", run_labels.PROCESS: "", run_labels.GPUS: ""})
     await worker.client.set_flow_run_state(run.id, Scheduled(message=f"Rescheduled: its frenzy worker {lost} is gone"), force=True)
     worker.get_flow_run_logger(run).warning(
         f"Rescheduled: its frenzy worker {lost} is gone while it waited for GPUs;"
@@ -81,9 +82,11 @@ async def _reclaim(worker: BaseWorker, run: FlowRun) -> None:
     started_on, pids = host_and_pids(run.infrastructure_pid or "")
     if started_on == socket.gethostname():
         await stop_process_groups(pids)
+    # Labelled before the lease goes: a holder that is not gone after all (another host's worker
+    # taken for OFFLINE) then knows its lease was revoked, not forgotten (reservations.GpuHold).
+    await worker.client.update_flow_run_labels(run.id, {run_labels.RECLAIMED_BY: worker.name})
     if lease != run_labels.RELEASED:
         await worker.client.release_concurrency_slots_with_lease(UUID(lease))  # a no-op once expired
-    await worker.client.update_flow_run_labels(run.id, {run_labels.RECLAIMED_BY: worker.name})
     message = (
         f"its frenzy worker {run.labels.get(run_labels.WORKER)!r} ({owner}) is gone;"
         f" {worker.name!r} stopped its processes and released its GPUs"

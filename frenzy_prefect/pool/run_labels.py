@@ -9,7 +9,11 @@ import socket
 WORKER = "frenzy.worker"  # the worker's name
 PROCESS = "frenzy.worker-process"  # HOST:PID of the worker process that took the run
 WAITING_FOR = "frenzy.waiting-for"  # CLUSTER/GPU_TYPE while the run waits for GPUs, else ""
+HOLDS = "frenzy.holds"  # the run's cluster, GPUs and predicted end (JSON), from when its GPUs were taken
 LEASE = "frenzy.lease"  # the run's GPU reservation, RELEASED once its worker let it go
+# The GPU limits (space-separated names) the run holds or is taking: set before they are taken,
+# cleared once they are given back, so that a GPU a live run holds is never taken for leaked.
+GPUS = "frenzy.gpus"
 RELEASED = "released"
 RECLAIMED_BY = "frenzy.reclaimed-by"  # the worker that reclaimed the run after its own was lost
 

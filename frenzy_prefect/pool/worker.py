@@ -22,13 +22,17 @@ import shlex
 import socket
 import sys
 import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
 import anyio
 import anyio.abc
 from prefect.blocks.system import Secret
-from prefect.client.schemas.objects import FlowRun, StateType
+from prefect.client.schemas.objects import FlowRun, State, StateType
 from prefect.exceptions import InfrastructureNotAvailable
 from prefect.workers.base import BaseJobConfiguration, BaseWorker, BaseWorkerResult
 from pydantic import Field
@@ -39,16 +43,29 @@ from frenzy_prefect.launch.command import Launch
 from frenzy_prefect.launch.local import ProcessGroup, host_and_pids, start_local, stop_process_groups
 from frenzy_prefect.launch.ssh import SSH_UNREACHABLE, SshSettings, start_ssh
 from frenzy_prefect.launch.torchrun import rank_launches
+from frenzy_prefect.launch.watcher import start_watcher
 from frenzy_prefect.pool import run_labels
 from frenzy_prefect.pool.crash import crash_naming_the_cause
 from frenzy_prefect.pool.gpu_queue import GpuQueue, training_job_of
+from frenzy_prefect.pool.kubernetes import (
+    cluster_connection,
+    gpu_products,
+    kubernetes_free_narrowing,
+    kubernetes_launches,
+    kubernetes_log_forwarder,
+)
+from frenzy_prefect.pool.leaks import LeakedGpus
 from frenzy_prefect.pool.reclaim import reclaim_lost_runs
-from frenzy_prefect.pool.reservations import LEASE_S, GpuHold, GpuReservations, volatile_lease_storage_warning
+from frenzy_prefect.pool.reservations import LEASE_S, GpuHold, GpuReservations, renew_every_s, volatile_lease_storage_warning
 from frenzy_prefect.pool.server_calls import is_transient, patiently
+from frenzy_prefect.pool.slurm import refuse_what_slurm_cannot_hold, slurm_free_narrowing, slurm_launches, slurm_log_forwarder
 from frenzy_prefect.spec.plan import TrainingJob
 from frenzy_prefect.storage.credentials import credentials_env, with_credentials
 
 CANCEL_POLL_S = 1.0  # how often a running run's state is checked for cancellation
+EXIT_FLUSH_S = 3.0  # how long a stopped worker's process may spend flushing its last events and logs
+SLURM_LATE_REPORT_S = 10.0  # a Slurm job may end before its ranks on a failed node report their SIGTERM
+ENDED_GRACE_S = 60.0  # how long a run's processes may outlive its final state (rank 0 exits first)
 
 
 class FrenzyJobConfiguration(BaseJobConfiguration):
@@ -69,10 +86,12 @@ class FrenzyJobConfiguration(BaseJobConfiguration):
     working_dir: Path | None = Field(
         default=None, title="Working Directory", description="Directory the run's processes start in; default: the worker's."
     )
-    launcher: Literal["local", "ssh"] = Field(
+    launcher: Literal["local", "ssh", "slurm", "kubernetes"] = Field(
         default="local",
         title="Launcher",
-        description="local: ranks on the worker's machine; ssh: ranks on each allocated node's host, over SSH.",
+        description="local: ranks on the worker's machine; ssh: ranks on each allocated node's host, over SSH; "
+        "slurm: each training run one Slurm job on the allocated nodes (sbatch + srun); "
+        "kubernetes: each training run one JobSet, one pod per allocated node.",
     )
     ssh_user: str | None = Field(default=None, title="SSH User", description="Login on the nodes (ssh launcher).")
     ssh_port: int = Field(default=22, ge=1, le=65535, title="SSH Port", description="sshd's port on the nodes.")
@@ -87,6 +106,48 @@ class FrenzyJobConfiguration(BaseJobConfiguration):
     node_python: str | None = Field(
         default=None, title="Node Python", description="Python with frenzy-prefect installed on the nodes; default: the worker's."
     )
+    partition: str | None = Field(default=None, title="Slurm Partition", description="sbatch --partition (slurm launcher).")
+    account: str | None = Field(default=None, title="Slurm Account", description="sbatch --account (slurm launcher).")
+    qos: str | None = Field(default=None, title="Slurm QOS", description="sbatch --qos (slurm launcher).")
+    time_limit: str | None = Field(default=None, title="Slurm Time Limit", description="sbatch --time, e.g. 4:00:00 (slurm launcher).")
+    sbatch_args: list[str] | None = Field(
+        default=None, title="Extra sbatch Arguments", description="Further sbatch options, one argument each, e.g. --cpus-per-task=8."
+    )
+    slurm_conf: Path | None = Field(
+        default=None, title="Slurm Config", description="slurm.conf for the worker's Slurm commands (SLURM_CONF); default: Slurm's own."
+    )
+    cluster_config: str | None = Field(
+        default=None,
+        title="Kubernetes Cluster Config Block",
+        description="KubernetesClusterConfig block (prefect-kubernetes) to reach the cluster; default: in-cluster, else KUBECONFIG.",
+    )
+    image: str | None = Field(default=None, title="Image", description="The pods' image, with frenzy-prefect installed (kubernetes).")
+    namespace: str = Field(default="default", title="Namespace", description="Where the run's JobSet goes (kubernetes).")
+    service_account_name: str | None = Field(default=None, title="Service Account", description="The pods' service account.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
+        default=None, title="Image Pull Policy", description="The pods' imagePullPolicy; default: Kubernetes' own (kubernetes)."
+    )
+    kubernetes_api: Literal["auto", "jobset", "job"] = Field(
+        default="auto",
+        title="Kubernetes API",
+        description="jobset (JobSet CRD), job (Indexed Jobs + a headless Service), or auto: JobSet where the cluster serves it.",
+    )
+    resources: dict[str, dict[str, str | int]] | None = Field(
+        default=None, title="Pod Resources", description="The pod's requests and limits besides its GPUs, e.g. {requests: {cpu: 8}}."
+    )
+    pod_spec: dict[str, Any] | None = Field(
+        default=None, title="Extra Pod Spec", description="Further pod-spec fields: tolerations, volumes, nodeSelector, priorityClassName."
+    )
+    storage_secret: str | None = Field(
+        default=None,
+        title="Storage Secret",
+        description="Kubernetes Secret with AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY the pods read S3 with (secretKeyRef).",
+    )
+    api_key_secret: str | None = Field(
+        default=None, title="Prefect API Key Secret", description="Kubernetes Secret whose key 'key' is the Prefect API key (kubernetes)."
+    )
+    ttl_seconds_after_finished: int = Field(default=3600, ge=0, title="TTL After Finished", description="JobSet/Job cleanup (s).")
+    rendezvous_port: int = Field(default=29500, ge=1, le=65535, title="Rendezvous Port", description="torchrun's port in pod 0.")
     allowed_gpu_types: list[str] | None = Field(
         default=None, title="Allowed GPU Types", description="Training runs on other GPU types fail at once; default: any."
     )
@@ -109,17 +170,41 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, Any, FrenzyWorkerResult]):
     _display_name = "Frenzy"
     _description = (
         "Dispatches flow runs to the GPU nodes chosen by the Frenzy memory-aware allocator: "
-        "one process per allocated GPU, ranks wired up by torch.distributed."
+        "one process per allocated GPU, ranks wired up by torch.distributed. Runs wait in one queue per GPU type "
+        "across the pool's workers; frenzy.gpu.waiting, frenzy.gpu.reserved and frenzy.gpu.released events say when."
+    )
+    # Prefect's catalogue entry (the work pool type picker). The project has no public home yet:
+    # the page on writing and running workers, and the process worker's logo (also a local-process
+    # launcher), both Prefect's own and published.
+    _documentation_url = "https://docs.prefect.io/v3/concepts/workers"
+    _logo_url = (
+        "https://raw.githubusercontent.com/PrefectHQ/prefect/420d0d6a78bb6df1fc18bcf188fdad43c1d22ea9/assets/block-logos/process.png"
     )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._queue: GpuQueue | None = None
+        self._leaks: LeakedGpus | None = None
 
     async def setup(self) -> None:
+        renew_every_s()  # a bad setting stops the worker now, not a run's renewals later
         await super().setup()
         if warning := await volatile_lease_storage_warning(self.client):
             self._logger.warning(warning)
+
+    async def teardown(self, *exc_info: Any) -> None:
+        """Once stopped (its runs' processes stopped and their GPUs released), the process exits
+        within EXIT_FLUSH_S of its main thread's end. What is left then is Prefect's events worker
+        sending the worker's last events, which it waits for with no bound of its own (its
+        interpreter-shutdown hook): against a server that does not answer, 10-13 s measured, an
+        idle worker taking that long to go on SIGTERM."""
+        try:
+            await super().teardown(*exc_info)
+        finally:
+            if exc_info[0] is None or not issubclass(exc_info[0], Exception):  # stopped, not crashed: exit code 0
+                # The hook Prefect's services register their flush with: run at interpreter
+                # shutdown, the latest registered first, so the timer starts before their flush.
+                threading._register_atexit(_exit_within, EXIT_FLUSH_S)
 
     def launches_for(
         self, configuration: FrenzyJobConfiguration, job: TrainingJob | None, credentials: dict[str, str] | None = None
@@ -132,6 +217,8 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, Any, FrenzyWorkerResult]):
             env = with_credentials(env, credentials)
         if job is None:
             return [Launch(host="127.0.0.1", argv=shlex.split(configuration.command or ""), env=env)]
+        if configuration.launcher == "slurm":
+            return slurm_launches(configuration, job, env)
         return rank_launches(job, python=sys.executable, env=env)  # the launcher picks the rendezvous port on the first node
 
     async def run(
@@ -156,9 +243,19 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, Any, FrenzyWorkerResult]):
         """A training run: its turn in the GPU queue, its ranks on the GPUs taken for it, the GPUs
         released however it ends; (result, why it was cancelled, if it was)."""
         _check_pool_policy(job, configuration)
+        _check_ssh_launcher(configuration)  # before any GPU is reserved
+        if configuration.launcher == "slurm":
+            await refuse_what_slurm_cannot_hold(job, configuration.slurm_conf)
         await patiently(GpuReservations(self.client, job.cluster).ensure, "creating the GPU reservation limits")
         if self._queue is None:
-            self._queue = GpuQueue(self.client, self._work_pool_name, self.get_flow_run_logger)
+            narrowing = None
+            if configuration.launcher == "slurm":
+                narrowing = slurm_free_narrowing(configuration.slurm_conf)
+            elif configuration.launcher == "kubernetes":
+                narrowing = kubernetes_free_narrowing(await cluster_connection(configuration))
+            self._queue = GpuQueue(
+                self.client, self._work_pool_name, self.get_flow_run_logger, pool_id=self.work_pool.id, narrow_free=narrowing
+            )
         reserved = await self._queue.wait_turn(flow_run, job)
         if reserved is None:  # cancelled while it waited: nothing was taken or started
             return FrenzyWorkerResult(status_code=0, identifier=""), "Cancelled while waiting for GPUs"
@@ -183,18 +280,19 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, Any, FrenzyWorkerResult]):
         async def relabel(lease) -> None:
             await self._label(flow_run, {run_labels.LEASE: str(lease)})
 
-        async with anyio.create_task_group() as renewals:
-            renewals.start_soon(hold.keep, relabel)
-            result = await self._launch(flow_run, configuration, job, task_status, hold)
-            renewals.cancel_scope.cancel()
+        with _ungrouped():
+            async with anyio.create_task_group() as renewals:
+                renewals.start_soon(hold.keep, relabel, logger.warning)
+                result = await self._launch(flow_run, configuration, job, task_status, hold)
+                renewals.cancel_scope.cancel()
         return result
 
     async def _release(self, flow_run: FlowRun, job: TrainingJob, hold: GpuHold) -> None:
         self.get_flow_run_logger(flow_run).info(f"Releasing GPUs {_gpus(job)}")
         try:
             await hold.release()
-            await self._label(flow_run, {run_labels.LEASE: run_labels.RELEASED})
-        except Exception as exc:  # the lease then expires by itself
+            await self._label(flow_run, {run_labels.LEASE: run_labels.RELEASED, run_labels.GPUS: ""})
+        except Exception as exc:  # the lease then expires by itself (a forgotten one's slots: leaks.py)
             self.get_flow_run_logger(flow_run).warning(
                 f"Could not release GPUs {_gpus(job)} ({type(exc).__name__}); their lease expires within {LEASE_S:.0f} s"
             )
@@ -224,10 +322,19 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, Any, FrenzyWorkerResult]):
         hold: GpuHold | None = None,
     ) -> tuple[FrenzyWorkerResult, str | None]:
         """Start the run's processes and wait for them; (result, why it was cancelled, if it was)."""
-        credentials = await credentials_env(configuration.storage_credentials) if configuration.storage_credentials else None
-        launches = self.launches_for(configuration, job, credentials)
+        if job is not None and configuration.launcher == "kubernetes":
+            launches = await _kubernetes_launches(configuration, job)
+        else:
+            credentials = await credentials_env(configuration.storage_credentials) if configuration.storage_credentials else None
+            launches = self.launches_for(configuration, job, credentials)
         with tempfile.TemporaryDirectory(prefix="frenzy-ssh-") as keys:
-            if job is not None and configuration.launcher == "ssh":
+            if job is not None and configuration.launcher == "kubernetes":
+                forward = kubernetes_log_forwarder(self.get_flow_run_logger(flow_run), lambda labels: self._label(flow_run, labels))
+                group = await start_watcher(launches[0], forward, cwd=configuration.working_dir)
+            elif job is not None and configuration.launcher == "slurm":
+                forward = slurm_log_forwarder(self.get_flow_run_logger(flow_run), lambda labels: self._label(flow_run, labels))
+                group = await start_watcher(launches[0], forward, cwd=configuration.working_dir)
+            elif job is not None and configuration.launcher == "ssh":
                 group = await start_ssh(launches, await _ssh_settings(configuration, Path(keys)), cwd=configuration.working_dir)
             else:
                 group = await start_local(launches, cwd=configuration.working_dir)
@@ -244,20 +351,30 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, Any, FrenzyWorkerResult]):
     ) -> tuple[FrenzyWorkerResult, str | None]:
         """Wait for the run's processes. Prefect's own cancellation only reaches runs that have
         not started, so the worker watches its running runs and stops every rank of one that is
-        being cancelled, or whose GPUs were lost to another run; a server outage only pauses the
-        watching."""
+        being cancelled, whose GPUs were lost to another run, or that ended ENDED_GRACE_S ago
+        (its GPUs are released only once its processes are gone); a server outage only pauses
+        the watching."""
         logger = self.get_flow_run_logger(flow_run)
         nodes = ", ".join(f"{l.node or l.host} x{l.processes}" for l in launches)
         logger.info(f"Started {sum(l.processes for l in launches)} process(es) on {nodes}; PIDs {group.identifier}")
         if task_status is not None:
             task_status.started(group.identifier)
-        cancelled = anyio.Event()
+        cancelled, over = anyio.Event(), anyio.Event()
 
-        async def stop_when_cancelling() -> None:
-            while not await self._is_cancelling(flow_run):
+        async def stop_when_cancelling_or_over() -> None:
+            ended = None  # when the run was first seen in a final state
+            while True:
+                state = await self._state_of(flow_run)
+                if state is not None and state.type in (StateType.CANCELLING, StateType.CANCELLED):
+                    cancelled.set()
+                    logger.info("Cancelling: stopping every rank")
+                    break
+                ended = (ended or time.monotonic()) if state is not None and state.is_final() else None
+                if ended is not None and time.monotonic() - ended > ENDED_GRACE_S:
+                    over.set()  # (its GPUs must not stay held by processes nobody waits for)
+                    logger.warning(f"The run ended ({state.type.value}) {ENDED_GRACE_S:.0f} s ago; its processes still ran: stopping them")
+                    break
                 await anyio.sleep(CANCEL_POLL_S)
-            cancelled.set()
-            logger.info("Cancelling: stopping every rank")
             await stop_process_groups(group.pids)
 
         async def stop_when_lost() -> None:
@@ -267,7 +384,7 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, Any, FrenzyWorkerResult]):
 
         try:
             async with anyio.create_task_group() as watch:
-                watch.start_soon(stop_when_cancelling)
+                watch.start_soon(stop_when_cancelling_or_over)
                 if hold is not None:
                     watch.start_soon(stop_when_lost)
                 code = await group.wait()
@@ -276,10 +393,13 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, Any, FrenzyWorkerResult]):
             with anyio.CancelScope(shield=True):
                 await stop_process_groups(group.pids)
             raise
-        stopped_here = cancelled.is_set() or (hold is not None and hold.lost.is_set())
+        stopped_here = cancelled.is_set() or over.is_set() or (hold is not None and hold.lost.is_set())
         if code != 0 and group.failure and not stopped_here:  # name the rank, its node and the signal
             logger.error(group.failure)
-            await crash_naming_the_cause(self.client, flow_run.id, group.failure, replaces_failure=group.failed_rank not in (None, 0))
+            settle_s = SLURM_LATE_REPORT_S if configuration.launcher == "slurm" else 0.0
+            await crash_naming_the_cause(
+                self.client, flow_run.id, group.failure, replaces_failure=group.failed_rank not in (None, 0), settle_s=settle_s
+            )
         if code == SSH_UNREACHABLE and configuration.launcher == "ssh":
             logger.error(
                 f"ssh to {group.failed_host} failed (exit {code}): the host is unreachable, refused the key, or its host key "
@@ -288,14 +408,13 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, Any, FrenzyWorkerResult]):
         why_cancelled = "Cancelled: every rank stopped" if cancelled.is_set() else None
         return FrenzyWorkerResult(status_code=code, identifier=group.identifier), why_cancelled
 
-    async def _is_cancelling(self, flow_run: FlowRun) -> bool:
+    async def _state_of(self, flow_run: FlowRun) -> State | None:
         try:
-            state = (await self.client.read_flow_run(flow_run.id)).state
+            return (await self.client.read_flow_run(flow_run.id)).state
         except Exception as exc:
             if is_transient(exc):
-                return False  # the server is away: the ranks go on, and so does the watch
+                return None  # the server is away: the ranks go on, and so does the watch
             raise
-        return state is not None and state.type in (StateType.CANCELLING, StateType.CANCELLED)
 
     async def kill_infrastructure(self, infrastructure_pid: str, configuration: FrenzyJobConfiguration, grace_seconds: int = 30) -> None:
         host, pids = host_and_pids(infrastructure_pid)
@@ -308,8 +427,19 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, Any, FrenzyWorkerResult]):
         if self._work_pool is not None:
             try:
                 await reclaim_lost_runs(self)
+                if self._leaks is None:
+                    self._leaks = LeakedGpus(self.client, self._logger)
+                await self._leaks.sweep()
             except Exception:  # never let housekeeping stop the worker's heartbeat
-                self._logger.exception("Reclaiming the runs of lost workers failed; trying again at the next heartbeat")
+                self._logger.exception("Reclaiming lost runs or leaked GPUs failed; trying again at the next heartbeat")
+
+
+def _exit_within(seconds: float) -> None:
+    """End the process (exit code 0) in ``seconds`` unless it has ended by then (the other
+    shutdown hooks run meanwhile)."""
+    timer = threading.Timer(seconds, os._exit, args=(0,))
+    timer.daemon = True
+    timer.start()
 
 
 def _check_pool_policy(job: TrainingJob, configuration: FrenzyJobConfiguration) -> None:
@@ -321,11 +451,45 @@ def _check_pool_policy(job: TrainingJob, configuration: FrenzyJobConfiguration) 
         raise FrenzyError(f"this pool allows at most {configuration.max_gpus_per_run} GPUs per run; the run needs {a.plan.gpus}")
 
 
-async def _ssh_settings(configuration: FrenzyJobConfiguration, keys: Path) -> SshSettings:
-    """The ssh launcher's settings; the key from its Secret block into a 0600 file under ``keys``."""
+def _check_ssh_settings_set(configuration: FrenzyJobConfiguration) -> None:
     missing = [n for n in ("ssh_user", "ssh_key_secret", "ssh_known_hosts") if getattr(configuration, n) is None]
     if missing:
         raise FrenzyError(f"the ssh launcher needs the pool's {', '.join(missing)} set (work pool job template variables)")
+
+
+def _check_ssh_launcher(configuration: FrenzyJobConfiguration) -> None:
+    """The ssh launcher's settings, each set and the known_hosts file readable (ssh would only
+    say it cannot verify the host, after the GPUs were reserved)."""
+    if configuration.launcher != "ssh":
+        return
+    _check_ssh_settings_set(configuration)
+    path = configuration.ssh_known_hosts
+    if not (path.is_file() and os.access(path, os.R_OK)):
+        problem = "is not a readable file" if path.exists() else "does not exist"
+        raise FrenzyError(
+            f"the ssh launcher's known_hosts file {path} {problem}: set the pool's ssh_known_hosts job variable to a readable "
+            "file holding the nodes' host keys (e.g. the output of ssh-keyscan -p PORT HOST)"
+        )
+
+
+@contextmanager
+def _ungrouped() -> Iterator[None]:
+    """A lone exception out of a task group as itself: anyio groups even one, and the run's state
+    would say "ExceptionGroup: unhandled errors in a TaskGroup" instead of what went wrong."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        lone: BaseException = group
+        while isinstance(lone, BaseExceptionGroup) and len(lone.exceptions) == 1:
+            lone = lone.exceptions[0]
+        if lone is group:
+            raise
+        raise lone from None
+
+
+async def _ssh_settings(configuration: FrenzyJobConfiguration, keys: Path) -> SshSettings:
+    """The ssh launcher's settings; the key from its Secret block into a 0600 file under ``keys``."""
+    _check_ssh_settings_set(configuration)
     try:
         secret = await Secret.aload(configuration.ssh_key_secret)
     except ValueError:
@@ -340,6 +504,18 @@ async def _ssh_settings(configuration: FrenzyJobConfiguration, keys: Path) -> Ss
         known_hosts=configuration.ssh_known_hosts,
         python=configuration.node_python or sys.executable,
     )
+
+
+async def _kubernetes_launches(configuration: FrenzyJobConfiguration, job: TrainingJob) -> list[Launch]:
+    """The watcher of the run's JobSet: the pods' environment is the run's job configuration's
+    (never the worker's own), S3 keys from the pool's storage_secret."""
+    if configuration.storage_credentials:
+        raise FrenzyError(
+            "the kubernetes launcher's pods read S3 keys from a Kubernetes Secret: set storage_secret, not storage_credentials"
+        )
+    kube = await cluster_connection(configuration)
+    extra = {CLUSTER_ENV: configuration.cluster} if configuration.cluster else {}
+    return kubernetes_launches(configuration, job, extra, kube, await gpu_products(kube))
 
 
 def _gpus(job: TrainingJob) -> str:

@@ -99,12 +99,11 @@ def _family_fields(config: dict[str, Any], model_type: str | None) -> dict[str, 
 def _refusals(config: dict[str, Any], model_type: str | None) -> list[str]:
     """What a config asks for that would change parameters or memory and frenzy does not model:
     each would be a silent misread (Llama-2-7B read GPT-2-style is 5.31 B parameters, not 6.74 B)."""
-    found = []
+    found = [f"a mixture of experts ({key}={config[key]})" for key in _EXPERTS if config.get(key)]
     if model_type is not None and model_type not in GPT2_TYPES | LLAMA_TYPES:
-        found.append(f"model_type {model_type!r} (supported: {', '.join(sorted(GPT2_TYPES | LLAMA_TYPES))})")
-    for key in _EXPERTS:
-        if config.get(key):
-            found.append(f"a mixture of experts ({key}={config[key]})")
+        # A family frenzy does not read: what else it asks (its activation, Llama-style fields)
+        # is its own design, not a misread of a supported family's config.
+        return [f"model_type {model_type!r} (supported: {', '.join(sorted(GPT2_TYPES | LLAMA_TYPES))})", *found]
     act = config.get("hidden_act") or config.get("activation_function")
     expected = {"silu"} if model_type in LLAMA_TYPES else _GELU
     if act is not None and str(act).lower() not in expected:

@@ -1,17 +1,17 @@
 """One failure case planned and summarised (what `frenzy recycle plan` prints): per
 stage the live workers, micro-batches each and bubble share; the iteration time and throughput
-relative to fault-free 1F1B, one iteration alone and back to back; the planner's time."""
+relative to the same planner's schedule without failures, one iteration alone and back to back;
+the planner's time."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import Any
 
-from frenzy_prefect.pipeline.builder import one_f_one_b
 from frenzy_prefect.pipeline.timeline import run_timeline, steady_state_period_s
 from frenzy_prefect.recycle.failures import key_from_stages
 from frenzy_prefect.recycle.fault_free import costs_from_fault_free_step
-from frenzy_prefect.recycle.planners import planner
+from frenzy_prefect.recycle.planners import fault_free_plan, planner
 
 
 def plan_case(
@@ -26,15 +26,17 @@ def plan_case(
     actions: bool = False,
 ) -> dict[str, Any]:
     """Plan the case where workers of ``failed_stages`` (0-based, one entry per failed worker) are
-    gone, with F:B:W costs following from a fault-free iteration of ``step_s`` seconds. The result
-    is the `recycle plan --json` schema; with ``actions``, also every worker's action list."""
+    gone, with F:B:W costs such that the schedule without failures (under the memory bound) lasts
+    ``step_s`` seconds; both throughputs are relative to the planner's schedule without failures.
+    The result is the `recycle plan --json` schema; with ``actions``, also every worker's action list."""
     run = planner(planner_name)
-    costs = costs_from_fault_free_step(step_s, dp, pp, microbatches)
+    costs = costs_from_fault_free_step(step_s, dp, pp, microbatches, memory_bound=memory_bound)
     key = key_from_stages(dp, pp, failed_stages)
     result = run(dp, pp, microbatches, key, costs, memory_bound)
+    baseline = result if not any(result.key) else fault_free_plan(planner_name, dp, pp, microbatches, costs, memory_bound)
     timeline = run_timeline(result.schedule, costs)
     period = steady_state_period_s(result.schedule, costs)
-    fault_free_period = steady_state_period_s(one_f_one_b(dp, pp, microbatches), costs)
+    fault_free_period = steady_state_period_s(baseline.schedule, costs)
     stages = []
     for s in range(pp):
         live = result.schedule.live(s)

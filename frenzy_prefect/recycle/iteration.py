@@ -167,15 +167,16 @@ def from_throughput_model(
     not divide, the step is predicted for the next larger batch and scaled back."""
     from frenzy_prefect.allocator.step_time import predict_step
     from frenzy_prefect.spec.plan import ParallelPlan
+    from frenzy_prefect.spec.workload import Workload
 
     global_batch = dp * microbatches * micro_batch
-    seq = seq_len or model.max_seq_len
+    seq = model.max_seq_len if seq_len is None else seq_len
 
     def fault_free(d: int, p: int) -> float:
         accumulation = math.ceil(global_batch / (d * micro_batch))
         padded = accumulation * d * micro_batch
         plan = ParallelPlan(dp=d, pp=p, micro_batch=micro_batch)
-        step = predict_step(model, plan, global_batch=padded, seq_len=seq, precision=precision, gpu=gpu)  # type: ignore[arg-type]
+        step = predict_step(model, plan, Workload(global_batch=padded, seq_len=seq, precision=precision), gpu=gpu)
         return step.seconds * global_batch / padded
 
     return IterationTimes(dp, pp, microbatches, fault_free, reroute)

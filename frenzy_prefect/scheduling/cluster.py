@@ -22,6 +22,7 @@ class Run:
     placements: list[Placement]
     end_s: float
     out_of_memory: bool
+    underestimate: float  # what an out-of-memory run proved: GPU memory / estimated peak (1.0 otherwise)
 
     @property
     def job(self) -> SimJob:
@@ -61,9 +62,13 @@ class SimCluster:
     def gpus(self) -> int:
         return sum(self.total.values())
 
-    def options(self, job: SimJob, gpu_type: str) -> tuple[Option, ...]:
+    def options(self, job: SimJob, gpu_type: str, underestimate: float = 1.0) -> tuple[Option, ...]:
+        """The job's frontier on ``gpu_type``, fitting as HAS decides (the cluster's memory margin),
+        its estimates scaled by what its out-of-memory runs proved."""
+        gpu = self.gpu[gpu_type]
+        margin = self.spec.memory_margin.bytes_for(gpu.memory_bytes)
         return frontier(
-            job.model, job.global_batch, self.gpu[gpu_type], self.total[gpu_type], self.node_gpus[gpu_type], self.spec.network_gbps
+            job.model, job.global_batch, gpu, self.total[gpu_type], self.node_gpus[gpu_type], self.spec.network_gbps, margin, underestimate
         )
 
     def predicted_step_s(self, option: Option) -> float:

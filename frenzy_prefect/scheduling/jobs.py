@@ -35,7 +35,6 @@ TRACE_MODELS = {
 }
 SEQ_LEN = 1024
 PRECISION: Precision = "fp16"
-OPTIMIZER_BYTES_PER_PARAM = 8  # AdamW's two fp32 moments
 REFERENCE_GPU = "V100-32GB"
 
 
@@ -77,7 +76,9 @@ def sim_jobs(trace: list[TraceJob]) -> list[SimJob]:
 
 @dataclass(slots=True)
 class Waiting:
-    """A queued job, and how often it ran out of memory."""
+    """A queued job, how often it ran out of memory, and by how much at least its memory
+    estimates proved low (GPU memory / the estimated peak of a plan that ran out of memory)."""
 
     job: SimJob
     out_of_memory: int = 0
+    underestimate: float = 1.0

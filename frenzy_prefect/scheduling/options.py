@@ -1,6 +1,11 @@
 """What a job can run as on one GPU type: MARP's fitting plans reduced to their frontier (for
 each GPU count, the fastest plan; then only counts that are faster than every smaller one),
-and the plan a memory-unaware user would run. Cached: a trace has a handful of job shapes."""
+and the plan a memory-unaware user would run. Cached: a trace has a handful of job shapes.
+
+A plan fits as HAS decides it (allocator/plans.py): its estimated peak plus the cluster's
+memory margin within the GPU. After a job ran out of memory its estimates are scaled up by
+what the failure proved (``underestimate``: the truth exceeded the GPU where the estimate was
+below it by that factor), so the plan that failed, and any as tight, no longer fit."""
 
 from __future__ import annotations
 
@@ -8,13 +13,14 @@ import math
 from dataclasses import dataclass
 from functools import cache
 
-from frenzy_prefect.allocator.plans import plan_space
+from frenzy_prefect.allocator.space import plan_space
 from frenzy_prefect.allocator.step_time import predict_step
 from frenzy_prefect.memory.analytic import peak_bytes
 from frenzy_prefect.profiling.model import PRESETS
-from frenzy_prefect.scheduling.jobs import OPTIMIZER_BYTES_PER_PARAM, PRECISION, SEQ_LEN
+from frenzy_prefect.scheduling.jobs import PRECISION, SEQ_LEN
 from frenzy_prefect.spec.gpu import GpuType
 from frenzy_prefect.spec.plan import ParallelPlan
+from frenzy_prefect.spec.workload import Workload
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,8 +36,9 @@ class Option:
         return self.step_s if nodes == 1 else self.spread_step_s
 
 
-def _workload(global_batch: int) -> dict:
-    return {"global_batch": global_batch, "seq_len": SEQ_LEN, "precision": PRECISION}
+def _workload(global_batch: int) -> Workload:
+    """A trace job's step: its global batch of SEQ_LEN-token sequences, in PRECISION, with AdamW."""
+    return Workload(global_batch=global_batch, seq_len=SEQ_LEN, precision=PRECISION)
 
 
 @cache
@@ -39,24 +46,35 @@ def option(model: str, global_batch: int, gpu: GpuType, plan: ParallelPlan, netw
     """``plan`` on ``gpu`` with its predicted peak and step times (in one node; across nodes)."""
     spec = PRESETS[model]
     work = _workload(global_batch)
-    peak = peak_bytes(spec, plan, **work, optimizer_bytes_per_param=OPTIMIZER_BYTES_PER_PARAM, gpu=gpu)
-    inside = predict_step(spec, plan, **work, gpu=gpu).seconds
-    across = inside if plan.gpus == 1 else predict_step(spec, plan, **work, gpu=gpu, network_gbps=network_gbps).seconds
+    peak = peak_bytes(spec, plan, work, gpu=gpu)
+    inside = predict_step(spec, plan, work, gpu=gpu).seconds
+    across = inside if plan.gpus == 1 else predict_step(spec, plan, work, gpu=gpu, network_gbps=network_gbps).seconds
     return Option(gpu_type=gpu.name, plan=plan, peak_bytes=peak, step_s=inside, spread_step_s=across, gpus=plan.gpus)
 
 
 @cache
-def frontier(model: str, global_batch: int, gpu: GpuType, max_gpus: int, node_gpus: int, network_gbps: float) -> tuple[Option, ...]:
+def frontier(
+    model: str,
+    global_batch: int,
+    gpu: GpuType,
+    max_gpus: int,
+    node_gpus: int,
+    network_gbps: float,
+    margin_bytes: int = 0,
+    underestimate: float = 1.0,
+) -> tuple[Option, ...]:
     """The fitting plans on ``gpu`` worth running, by GPU count ascending, each strictly faster
-    than every smaller one (step time as placed: one node if the plan fits in one)."""
+    than every smaller one (step time as placed: one node if the plan fits in one). A plan fits
+    when its estimated peak x ``underestimate`` + ``margin_bytes`` is within the GPU."""
     spec = PRESETS[model]
     work = _workload(global_batch)
     best: dict[int, tuple[float, ParallelPlan]] = {}
     for plan in plan_space(spec, global_batch, max_gpus, node_gpus):
-        if peak_bytes(spec, plan, **work, optimizer_bytes_per_param=OPTIMIZER_BYTES_PER_PARAM, gpu=gpu) > gpu.memory_bytes:
+        peak = peak_bytes(spec, plan, work, gpu=gpu)
+        if peak * underestimate + margin_bytes > gpu.memory_bytes:
             continue
         network = None if plan.gpus <= node_gpus else network_gbps
-        t = predict_step(spec, plan, **work, gpu=gpu, network_gbps=network).seconds
+        t = predict_step(spec, plan, work, gpu=gpu, network_gbps=network).seconds
         if plan.gpus not in best or t < best[plan.gpus][0]:
             best[plan.gpus] = (t, plan)
     out: list[Option] = []

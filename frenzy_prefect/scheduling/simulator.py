@@ -1,9 +1,12 @@
 """Event-driven replay: jobs arrive, the policy decides at each arrival and completion (or at
-its round boundaries), and runs end when their predicted time is up. Ground truth for a run is
-the project's models: MARP's peak memory (a plan that exceeds the GPU runs out of memory
-OOM_DETECTION_S after it starts, and the job goes back to the queue) and the throughput model's
-step time as actually placed (across nodes when the placement spans nodes). Jobs never move
-once started (no preemption, for every policy)."""
+its round boundaries), and runs end when their predicted time is up. Ground truth for a run's
+memory is not the estimate the policies plan with but ``truth.MemoryTruth``: MARP's estimate
+off by an error drawn per job from MARP's measured errors on published GPU runs, the same draw
+under every policy. A plan whose true peak exceeds the GPU runs out of memory OOM_DETECTION_S
+after it starts and the job goes back to the queue, knowing its estimates were low by at least
+GPU memory / estimated peak. The step time is the throughput model's as actually placed
+(across nodes when the placement spans nodes). Jobs never move once started (no preemption,
+for every policy)."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from frenzy_prefect.scheduling.cluster import Run, SimCluster
 from frenzy_prefect.scheduling.jobs import SimJob, Waiting
 from frenzy_prefect.scheduling.options import option
 from frenzy_prefect.scheduling.policies.base import Policy, Reject, Start
+from frenzy_prefect.scheduling.truth import MemoryTruth
 from frenzy_prefect.spec.cluster import ClusterSpec
 
 OOM_DETECTION_S = 120.0  # container start, model build and the first step, before the OOM
@@ -39,6 +43,7 @@ class SimulationResult(BaseModel):
     """The summary `frenzy simulate --json` prints (a contract: docs/architecture.md), plus what explains it."""
 
     policy: str
+    memory_truth: str  # how a run's true peak memory was decided (MemoryTruth.describe)
     cluster_gpus: int
     jobs_total: int
     jobs_completed: int
@@ -65,8 +70,8 @@ class _Replay:
     """One replay's state: the event heap, the queue and what the result counts. ``simulate``
     drains each instant's events, then lets the policy decide."""
 
-    def __init__(self, jobs: list[SimJob], cluster_spec: ClusterSpec, policy: Policy):
-        self.jobs, self.policy = jobs, policy
+    def __init__(self, jobs: list[SimJob], cluster_spec: ClusterSpec, policy: Policy, truth: MemoryTruth):
+        self.jobs, self.policy, self.truth = jobs, policy, truth
         self.cluster = SimCluster(cluster_spec)
         self.events: list[tuple[float, int, int, object]] = []
         self.seq = 0
@@ -96,7 +101,9 @@ class _Replay:
         self.last_end = now
         if run.out_of_memory:
             self.restarts += 1
-            insort(self.queue, Waiting(run.job, run.waiting.out_of_memory + 1), key=self.queue_key)
+            learned = max(run.waiting.underestimate, run.underestimate)
+            self.policy.prepare(run.job, self.cluster, learned)  # the resubmitted job is planned again, as at arrival
+            insort(self.queue, Waiting(run.job, run.waiting.out_of_memory + 1, learned), key=self.queue_key)
         else:
             self.jcts.append(now - run.job.arrival_s)
 
@@ -132,7 +139,7 @@ class _Replay:
             if isinstance(d, Reject):
                 self.unschedulable.append(Unschedulable(job_id=d.waiting.job.job_id, reason=d.reason))
                 continue
-            run = start_run(d, self.cluster, now)
+            run = start_run(d, self.cluster, now, self.truth)
             self.cluster.running[run.job.job_id] = run
             self.busy_gpu_s += d.plan.gpus * (run.end_s - now)
             self.push(run.end_s, _COMPLETION, run)
@@ -151,6 +158,7 @@ class _Replay:
         gpus = self.cluster.gpus
         return SimulationResult(
             policy=self.policy.name,
+            memory_truth=self.truth.describe(),
             cluster_gpus=gpus,
             jobs_total=len(self.jobs),
             jobs_completed=len(jcts),
@@ -170,9 +178,11 @@ class _Replay:
         )
 
 
-def simulate(jobs: list[SimJob], cluster_spec: ClusterSpec, policy: Policy) -> SimulationResult:
+def simulate(jobs: list[SimJob], cluster_spec: ClusterSpec, policy: Policy, truth: MemoryTruth | None = None) -> SimulationResult:
+    """Replay ``jobs`` under ``policy``; memory is decided by ``truth`` (default: MARP's published
+    errors, seed 0)."""
     wall = time.perf_counter()
-    replay = _Replay(jobs, cluster_spec, policy)
+    replay = _Replay(jobs, cluster_spec, policy, truth or MemoryTruth())
     while replay.events:
         now = replay.events[0][0]
         if replay.drain(now) and replay.queue:
@@ -180,11 +190,12 @@ def simulate(jobs: list[SimJob], cluster_spec: ClusterSpec, policy: Policy) -> S
     return replay.result(wall)
 
 
-def start_run(start: Start, cluster: SimCluster, now: float) -> Run:
-    """What actually happens to a started plan, by the project's memory and throughput models."""
+def start_run(start: Start, cluster: SimCluster, now: float, truth: MemoryTruth) -> Run:
+    """What actually happens to a started plan: its true peak by ``truth``, its time by the throughput model."""
     job = start.waiting.job
     gpu = cluster.gpu[start.gpu_type]
     predicted = option(job.model, job.global_batch, gpu, start.plan, cluster.spec.network_gbps)
-    out_of_memory = predicted.peak_bytes > gpu.memory_bytes
+    out_of_memory = truth.peak_bytes(job.job_id, predicted.peak_bytes) > gpu.memory_bytes
     runtime = OOM_DETECTION_S if out_of_memory else job.steps * predicted.step_time(len(start.placements))
-    return Run(start.waiting, start.gpu_type, start.plan, start.placements, now + runtime, out_of_memory)
+    underestimate = gpu.memory_bytes / predicted.peak_bytes if out_of_memory else 1.0
+    return Run(start.waiting, start.gpu_type, start.plan, start.placements, now + runtime, out_of_memory, underestimate)

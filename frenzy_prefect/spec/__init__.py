@@ -15,6 +15,7 @@ from frenzy_prefect.spec.plan import (
 )
 from frenzy_prefect.spec.request import OptimizerSettings, TrainingRequest
 from frenzy_prefect.spec.result import TrainingReport, TrainingResult
+from frenzy_prefect.spec.workload import Workload
 
 __all__ = [
     "Allocation",
@@ -34,4 +35,5 @@ __all__ = [
     "TrainingReport",
     "TrainingRequest",
     "TrainingResult",
+    "Workload",
 ]

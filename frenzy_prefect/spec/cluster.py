@@ -6,12 +6,14 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, model_validator
 
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.spec.catalog import GPU_CATALOG
 from frenzy_prefect.spec.gpu import GpuType, MemoryMargin
 from frenzy_prefect.units import GIB
+
+MAX_NODE_GPUS = 1024  # beyond any node's (or NVLink domain's) GPU count; the node's free-GPU list is this long
 
 
 class Node(BaseModel):
@@ -20,7 +22,7 @@ class Node(BaseModel):
     name: str = Field(min_length=1)
     host: str = Field(min_length=1, description="Where its ranks run: 127.0.0.1 for the local launcher.")
     gpu_type: str
-    gpu_count: PositiveInt
+    gpu_count: int = Field(gt=0, le=MAX_NODE_GPUS, description="GPUs in the node (one NVLink domain holds at most a few hundred).")
     gpu_memory_gib: PositiveFloat | None = Field(default=None, description="Per-GPU memory; defaults to the GPU type's.")
 
 
@@ -37,7 +39,7 @@ class ClusterSpec(BaseModel):
         default_factory=MemoryMargin, description="GPU memory every plan leaves unused beyond its predicted peak."
     )
     prices: dict[str, NonNegativeFloat] = Field(
-        default_factory=dict, description="What a GPU-hour of each type costs (any currency, e.g. USD): plans then show their cost."
+        default_factory=dict, description="What a GPU-hour of each type costs in US dollars: plans then show their cost."
     )
 
     @model_validator(mode="after")

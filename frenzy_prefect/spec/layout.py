@@ -8,6 +8,7 @@ so both import them from here: the executor does not depend on its own model.
 
 from __future__ import annotations
 
+import heapq
 from functools import lru_cache
 
 from frenzy_prefect.errors import FrenzyError
@@ -211,9 +212,14 @@ def parameter_sizes(model: ModelSpec, tp: int = 1) -> list[int]:
 def deal_out(sizes: list[int], ranks: int) -> list[int]:
     """The rank each tensor (of ``sizes`` elements) goes to under ZeRO-1, as torch's
     ZeroRedundancyOptimizer deals them: largest first (ties in order), each to the rank holding the
-    fewest elements so far (ties: the lowest rank)."""
-    owners, totals = [0] * len(sizes), [0] * ranks
+    fewest elements so far (ties: the lowest rank). A heap of the ranks dealt to so far, beside the
+    lowest rank not yet dealt to: the cost follows the tensors, not the ranks."""
+    owners, dealt, fresh = [0] * len(sizes), [], 0  # dealt: a heap of (elements, rank)
     for i in sorted(range(len(sizes)), key=lambda i: sizes[i], reverse=True):
-        owners[i] = totals.index(min(totals))
-        totals[owners[i]] += sizes[i]
+        if fresh < ranks and (not dealt or (0, fresh) < dealt[0]):
+            total, owners[i] = 0, fresh
+            fresh += 1
+        else:
+            total, owners[i] = heapq.heappop(dealt)
+        heapq.heappush(dealt, (total + sizes[i], owners[i]))
     return owners

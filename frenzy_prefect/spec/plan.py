@@ -23,6 +23,9 @@ from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.request import TrainingRequest
 
 Recompute = Literal["none", "selective", "full"]
+# More GPUs than one job is given anywhere (the largest published training runs used about
+# 16,000): it bounds every loop over a plan's ranks (estimate's JSON lists each one).
+MAX_GPUS = 1 << 16
 
 
 class ParallelPlan(BaseModel):
@@ -36,6 +39,12 @@ class ParallelPlan(BaseModel):
     micro_batch: PositiveInt = 1
     zero: Literal[0, 1, 2, 3] = 0
     recompute: Recompute = "none"
+
+    @model_validator(mode="after")
+    def _within_max_gpus(self) -> ParallelPlan:
+        if self.gpus > MAX_GPUS:
+            raise ValueError(f"dp x tp x pp = {self.dp} x {self.tp} x {self.pp} = {self.gpus:,} GPUs; a plan has at most {MAX_GPUS:,} GPUs")
+        return self
 
     @property
     def gpus(self) -> int:

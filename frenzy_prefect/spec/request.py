@@ -4,35 +4,20 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
 from frenzy_prefect.spec.dataset import Preparation
 from frenzy_prefect.spec.names import NOT_BLANK_SCHEMA, named, refuse_blank
-
-Precision = Literal["fp32", "bf16", "fp16"]
-# flash: fused SDPA that keeps only the log-sum-exp for its backward; eager: scores and softmax
-# materialised (and their dropout mask), as HF "eager" attention does.
-Attention = Literal["flash", "eager"]
-
-
-class OptimizerSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    name: Literal["adamw", "adam", "sgd"] = "adamw"
-    lr: PositiveFloat = 1e-3
-    weight_decay: NonNegativeFloat = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    momentum: NonNegativeFloat = Field(default=0.9, description="SGD only; 0 keeps no momentum buffer.")
-    grad_clip: NonNegativeFloat = Field(default=1.0, description="Global gradient-norm clip; 0 disables.")
-    warmup_steps: NonNegativeInt = 0
-    schedule: Literal["constant", "cosine"] = "cosine"
-
-    @property
-    def state_bytes_per_parameter(self) -> int:
-        """fp32 optimizer state per parameter: Adam keeps m and v, SGD a momentum buffer if any."""
-        if self.name in ("adam", "adamw"):
-            return 8
-        return 4 if self.momentum > 0 else 0
+from frenzy_prefect.spec.workload import (
+    Attention,
+    GlobalBatch,
+    MasterWeights,
+    OptimizerSettings,
+    Precision,
+    SeqLen,
+    Workload,
+    check_master_weights,
+)
 
 
 class PlanPin(BaseModel):
@@ -91,18 +76,12 @@ class TrainingRequest(BaseModel):
             "with the defaults (a byte-level BPE of the model's vocab_size trained on it); set this to prepare a *.txt file too."
         ),
     )
-    global_batch: PositiveInt = Field(description="Sequences per optimizer step, over all replicas.")
-    seq_len: PositiveInt = Field(description="Tokens per sequence.")
+    global_batch: GlobalBatch
+    seq_len: SeqLen
     steps: PositiveInt = Field(description="Optimizer steps to train.")
     precision: Precision = "bf16"
     attention: Attention = "flash"
-    master_weights: bool = Field(
-        default=False,
-        description=(
-            "bf16/fp16 weights with fp32 master copies in the optimizer and fp32 gradient accumulation (Megatron-LM's and "
-            "DeepSpeed's bf16 training); false: fp32 weights under autocast. Needs precision bf16 or fp16."
-        ),
-    )
+    master_weights: MasterWeights = False
     optimizer: OptimizerSettings = Field(default_factory=OptimizerSettings)
     plan: PlanPin | None = Field(
         default=None,
@@ -155,7 +134,17 @@ class TrainingRequest(BaseModel):
         check_master_weights(self.precision, self.master_weights)
         return self
 
+    @property
+    def workload(self) -> Workload:
+        """What each of the request's optimizer steps computes (the estimators' and the engine's input)."""
+        return Workload(
+            global_batch=self.global_batch,
+            seq_len=self.seq_len,
+            precision=self.precision,
+            optimizer=self.optimizer,
+            attention=self.attention,
+            master_weights=self.master_weights,
+        )
 
-def check_master_weights(precision: Precision, master_weights: bool) -> None:
-    if master_weights and precision == "fp32":
-        raise ValueError("master_weights keeps bf16 or fp16 weights beside fp32 masters: set precision bf16 or fp16 (got fp32)")
+
+__all__ = ["Attention", "OptimizerSettings", "PlanPin", "Precision", "TrainingRequest", "Workload", "check_master_weights"]

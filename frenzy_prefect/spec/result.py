@@ -36,6 +36,7 @@ class TrainingResult(BaseModel):
     backend: str
     wall_s: float = Field(description="From the start of training (joining the process group included) to the last step.")
     tokens_per_s: float = Field(description="Trained tokens over wall_s, all ranks together.")
+    first_step: int = Field(default=1, description="The first step this attempt trained: 1, or the one after the checkpoint resumed from.")
     step_s: list[float] = Field(default=[], description="Rank 0's wall time of each step this attempt trained, checkpoints excluded.")
     checkpoint_s: list[float] = Field(default=[], description="Rank 0's wall time of each checkpoint this attempt wrote.")
     failures: list[SurvivedFailure] = Field(default=[], description="Failures trained through without a restart, and rejoins.")

@@ -5,18 +5,24 @@ AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, ...), so the same code reaches AWS, Mi
 local moto server. Credentials never appear in our messages.
 
 Every S3 request is bounded, so a stalled endpoint (a frozen process, a black-holed network)
-fails the operation instead of holding GPUs (see STALL_BOUND_S):
+fails the operation instead of holding GPUs (see Bounds.stall_s); each bound is settable
+through the environment (Bounds.from_env):
 
-- connecting: ``CONNECT_TIMEOUT_S``;
-- waiting for the answer: ``READ_TIMEOUT_S`` without a byte (aiohttp's sock_read, which
-  only starts once the request body is sent);
+- connecting: ``FRENZY_S3_CONNECT_TIMEOUT_S`` (5 s);
+- waiting for the answer: ``FRENZY_S3_READ_TIMEOUT_S`` (15 s) without a byte (aiohttp's
+  sock_read, which only starts once the request body is sent);
 - sending a body: at once (no 'Expect: 100-continue', which aiohttp awaits with no timeout),
-  and ``SEND_TIMEOUT_S`` without the peer acknowledging a byte or opening its receive window
-  (Linux's TCP_USER_TIMEOUT; aiohttp has no write timeout, and a body larger than the socket
-  buffers otherwise waits forever on a frozen peer);
-- ``ATTEMPTS`` tries of each request in botocore's standard retry mode (timeouts, 5xx and
-  throttling, with backoff), and none on top of them in s3fs (``retries=1``): s3fs's own loop
-  (5 tries by default) multiplies botocore's, and twice over for ranged reads.
+  and ``FRENZY_S3_SEND_TIMEOUT_S`` (8 s) without the peer acknowledging a byte or opening its
+  receive window (Linux's TCP_USER_TIMEOUT; aiohttp has no write timeout, and a body larger
+  than the socket buffers otherwise waits forever on a frozen peer);
+- ``FRENZY_S3_ATTEMPTS`` (3) tries of each request in botocore's standard retry mode
+  (timeouts, 5xx and throttling, with backoff), and none on top of them in s3fs
+  (``retries=1``): s3fs's own loop (5 tries by default) multiplies botocore's, and twice over
+  for ranged reads.
+
+A sequence of operations that must end as one (a checkpoint's write: every file, the metadata,
+the manifest, the pruning) gets one bound for all of them (Deadline), not one per request in
+turn.
 """
 
 from __future__ import annotations
@@ -24,62 +30,123 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import cache
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import fsspec
 from fsspec import AbstractFileSystem
 
-from frenzy_prefect.errors import StorageUnreachable
+from frenzy_prefect.errors import FrenzyError, StorageUnreachable
 
-CONNECT_TIMEOUT_S = 5
-READ_TIMEOUT_S = 15
-SEND_TIMEOUT_S = 8
-ATTEMPTS = 3
+T = TypeVar("T")
+
 _MAX_PUT_BYTES = 5 * 2**30  # S3's limit for one PUT
-# Against a frozen peer (its kernel still acknowledging, with a closed window) Linux drops the
-# connection about 2 x TCP_USER_TIMEOUT + 1 s after the send stalls (measured: 11 s for 5 s,
-# 17 s for 8 s, 30.5 s for 15 s), not 1 x as against a silent one.
-_SEND_STALL_S = 2 * SEND_TIMEOUT_S + 1
-_BACKOFF_S = 1 + 2  # botocore's standard mode sleeps up to 1 s, then up to 2 s, between tries
-# The longest one stalled operation waits before failing: every try times out, plus the backoff.
-STALL_BOUND_S = ATTEMPTS * max(CONNECT_TIMEOUT_S, READ_TIMEOUT_S, _SEND_STALL_S) + _BACKOFF_S
+CHECKPOINT_WRITE_TIMEOUT_ENV = "FRENZY_CHECKPOINT_WRITE_TIMEOUT_S"
+# A whole write's default bound: one stalled request's, plus the bytes at this slow a rate.
+SLOWEST_WRITE_BYTES_PER_S = 20e6
 
 
-def _socket_with_send_timeout(addr_info: tuple) -> socket.socket:
-    """aiohttp's socket factory: a TCP socket whose unacknowledged sends time out."""
-    family, type_, proto, _, _ = addr_info
-    sock = socket.socket(family=family, type=type_, proto=proto)
-    if hasattr(socket, "TCP_USER_TIMEOUT") and family in (socket.AF_INET, socket.AF_INET6):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, SEND_TIMEOUT_S * 1000)
-    return sock
+def _env_number(name: str, default: float, *, integer: bool = False) -> float:
+    """Environment variable ``name`` as a number > 0 (``default`` when unset)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw) if integer else float(raw)
+    except ValueError:
+        value = 0
+    if not value > 0 or value == float("inf"):
+        kind = "a whole number" if integer else "a number of seconds"
+        raise FrenzyError(f"{name}={raw!r} is not {kind} > 0 (unset, it is {default:g})")
+    return value
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """How long one S3 request may stall (see the module doc)."""
+
+    connect_s: float = 5
+    read_s: float = 15
+    send_s: float = 8
+    attempts: int = 3
+
+    @classmethod
+    def from_env(cls) -> Bounds:
+        d = cls()
+        return cls(
+            connect_s=_env_number("FRENZY_S3_CONNECT_TIMEOUT_S", d.connect_s),
+            read_s=_env_number("FRENZY_S3_READ_TIMEOUT_S", d.read_s),
+            send_s=_env_number("FRENZY_S3_SEND_TIMEOUT_S", d.send_s),
+            attempts=int(_env_number("FRENZY_S3_ATTEMPTS", d.attempts, integer=True)),
+        )
+
+    @property
+    def stall_s(self) -> float:
+        """The longest one stalled operation waits before failing: every try times out, plus
+        botocore's backoff between tries (up to 1 s, 2 s, 4 s, ...). Against a frozen peer (its
+        kernel still acknowledging, with a closed window) Linux drops the connection about
+        2 x TCP_USER_TIMEOUT + 1 s after a send stalls (measured: 11 s for 5 s, 17 s for 8 s,
+        30.5 s for 15 s), not 1 x as against a silent one."""
+        per_try = max(self.connect_s, self.read_s, 2 * self.send_s + 1)
+        return self.attempts * per_try + self.backoff_s
+
+    @property
+    def backoff_s(self) -> float:
+        """The most botocore's standard mode sleeps between the tries (up to 1 s, 2 s, 4 s, ...)."""
+        return sum(2.0**i for i in range(self.attempts - 1))
+
+
+def stall_bound_s() -> float:
+    """How long one stalled S3 operation waits before it fails, under the environment's bounds."""
+    return Bounds.from_env().stall_s
+
+
+def write_bound_s(nbytes: float) -> float:
+    """The bound for writing ``nbytes`` as one operation of many requests (a checkpoint):
+    FRENZY_CHECKPOINT_WRITE_TIMEOUT_S, else one stalled request's bound plus the bytes at
+    SLOWEST_WRITE_BYTES_PER_S."""
+    return _env_number(CHECKPOINT_WRITE_TIMEOUT_ENV, stall_bound_s() + nbytes / SLOWEST_WRITE_BYTES_PER_S)
+
+
+def _socket_factory(send_s: float) -> Callable[[tuple], socket.socket]:
+    def socket_with_send_timeout(addr_info: tuple) -> socket.socket:
+        """aiohttp's socket factory: a TCP socket whose unacknowledged sends time out."""
+        family, type_, proto, _, _ = addr_info
+        sock = socket.socket(family=family, type=type_, proto=proto)
+        if hasattr(socket, "TCP_USER_TIMEOUT") and family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(send_s * 1000))
+        return sock
+
+    return socket_with_send_timeout
 
 
 @cache
-def _s3_config() -> dict[str, Any]:
-    """botocore's client config for every S3 filesystem (built once: fsspec caches filesystems
-    by their arguments)."""
+def _s3_config(bounds: Bounds) -> dict[str, Any]:
+    """botocore's client config for every S3 filesystem under ``bounds`` (built once for each:
+    fsspec caches filesystems by their arguments)."""
     from aiobotocore.httpsession import AIOHTTPSession
 
     class SendAtOnce(AIOHTTPSession):
         """botocore asks for '100 Continue' before every PUT body, and aiohttp waits for it with
         no timeout at all (its read timeout starts once the body is sent): a frozen endpoint
         held a checkpoint upload forever. Without the header the body goes at once, bounded by
-        SEND_TIMEOUT_S, and the answer by READ_TIMEOUT_S. The header is not signed."""
+        the send timeout, and the answer by the read timeout. The header is not signed."""
 
         async def send(self, request):
             request.headers.pop("Expect", None)
             return await super().send(request)
 
     return {
-        "connect_timeout": CONNECT_TIMEOUT_S,
-        "read_timeout": READ_TIMEOUT_S,
-        "retries": {"mode": "standard", "total_max_attempts": ATTEMPTS},
-        "connector_args": {"socket_factory": _socket_with_send_timeout},
+        "connect_timeout": bounds.connect_s,
+        "read_timeout": bounds.read_s,
+        "retries": {"mode": "standard", "total_max_attempts": bounds.attempts},
+        "connector_args": {"socket_factory": _socket_factory(bounds.send_s)},
         "http_session_cls": SendAtOnce,
     }
 
@@ -94,7 +161,7 @@ def filesystem_options(uri: str) -> dict[str, Any]:
     if not _is_s3(uri):
         return {}
     # The endpoint is passed explicitly so that cached filesystem instances follow the environment.
-    return {"endpoint_url": os.environ.get("AWS_ENDPOINT_URL"), "config_kwargs": _s3_config()}
+    return {"endpoint_url": os.environ.get("AWS_ENDPOINT_URL"), "config_kwargs": _s3_config(Bounds.from_env())}
 
 
 def filesystem(uri: str) -> tuple[AbstractFileSystem, str]:
@@ -150,21 +217,62 @@ def _endpoint_shown() -> str:
     return urlunsplit(parts._replace(netloc=parts.hostname + (f":{parts.port}" if parts.port else ""))) if parts.hostname else endpoint
 
 
+def _where(uri: str) -> str:
+    return f"the object store holding {uri} (endpoint {_endpoint_shown()})"
+
+
 @contextmanager
-def reaching(uri: str) -> Iterator[None]:
-    """Turn a stalled or unreachable endpoint into a StorageUnreachable naming the URI and endpoint."""
-    started = time.monotonic()
+def reaching(uri: str, started: float | None = None) -> Iterator[None]:
+    """Turn a stalled or unreachable endpoint into a StorageUnreachable naming the URI and the
+    endpoint, and how long since ``started`` (``time.monotonic()``; default: now) it was waited for."""
+    started = time.monotonic() if started is None else started
     try:
         yield
     except Exception as exc:
         cause = _stall_in(exc)
         if cause is None:
             raise
-        where = f"the object store holding {uri} (endpoint {_endpoint_shown()})"
         timed_out, what = _describe(cause)
         if timed_out:
-            raise StorageUnreachable(f"{where} did not answer within {time.monotonic() - started:.0f} s: {what}") from None
-        raise StorageUnreachable(f"cannot reach {where}: {what}") from None
+            raise StorageUnreachable(f"{_where(uri)} did not answer within {time.monotonic() - started:.0f} s: {what}") from None
+        raise StorageUnreachable(f"cannot reach {_where(uri)}: {what}") from None
+
+
+class Deadline:
+    """One bound for a sequence of storage operations that ends as one (a checkpoint's write):
+    each runs in a thread of its own and is given up once the bound is spent, however many
+    requests it makes. A given-up operation's thread is left to its requests' own bounds (a
+    daemon: it never holds the process's exit); what it still writes belongs to a write that
+    failed."""
+
+    def __init__(self, uri: str, bound_s: float, doing: str = "writing it") -> None:
+        self.uri, self.bound_s, self.doing = uri, bound_s, doing
+        self.started = time.monotonic()
+
+    def run(self, operation: Callable[[], T]) -> T:
+        """``operation()``, or StorageUnreachable once the bound is spent (its stalls and
+        connection failures too, with the time since the first operation began)."""
+        outcome: list = []
+
+        def attempt() -> None:
+            try:
+                with reaching(self.uri, self.started):
+                    outcome.append((True, operation()))
+            except BaseException as exc:  # handed to the waiting thread
+                outcome.append((False, exc))
+
+        worker = threading.Thread(target=attempt, name="frenzy-bounded-storage", daemon=True)
+        worker.start()
+        worker.join(max(0.0, self.bound_s - (time.monotonic() - self.started)))
+        if not outcome:
+            raise StorageUnreachable(
+                f"{_where(self.uri)} did not finish {self.doing} within {time.monotonic() - self.started:.0f} s, "
+                f"its bound ({CHECKPOINT_WRITE_TIMEOUT_ENV}={self.bound_s:g})"
+            )
+        done, value = outcome[0]
+        if not done:
+            raise value
+        return value
 
 
 @contextmanager
@@ -176,7 +284,7 @@ def open_uri(uri: str, mode: str = "rb", **kwargs: Any) -> Iterator[IO[Any]]:
 
 def write_bytes(uri: str, data: bytes) -> None:
     """One PUT, up to S3's 5 GiB limit (s3fs would go multipart from 100 MiB, and after a stall
-    spend another STALL_BOUND_S aborting the upload): the object appears whole or not at all."""
+    spend another stall bound aborting the upload): the object appears whole or not at all."""
     fs, path = filesystem(uri)
     one_put = {"chunksize": _MAX_PUT_BYTES} if _is_s3(uri) else {}
     with reaching(uri):

@@ -10,8 +10,9 @@ once the coordinator has written ``.metadata``, after all ranks' files; then a b
 writes the manifest. A checkpoint is complete when its manifest exists: a directory without one
 (a write torn by a crash) is ignored on resume and removed when the next checkpoint is pruned.
 Resume takes the newest intact one (complete, with DCP's ``.metadata`` and a manifest that
-reads): a complete one that is not is named in the run's log and skipped for the one before. The
-last ``keep`` intact checkpoints stay; older ones are deleted once the new manifest exists.
+reads; ``manifest`` finds it, without torch): a complete one that is not is named in the run's log
+and skipped for the one before. The last ``keep`` intact checkpoints stay; older ones are deleted
+once the new manifest exists.
 
 What is saved is keyed by the WHOLE model's names and shapes (``Decoder`` naming, global layer
 indices), each rank describing which pieces of each tensor it holds (``Pieces``), so that DCP
@@ -40,9 +41,6 @@ from itertools import islice
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from pydantic import BaseModel, Field, ValidationError
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
@@ -50,97 +48,16 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-from frenzy_prefect.errors import FrenzyError, describe_validation_error
+from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.spec.layout import padded_vocab
-from frenzy_prefect.spec.model import ModelSpec
-from frenzy_prefect.spec.plan import ParallelPlan
 from frenzy_prefect.spec.request import OptimizerSettings
-from frenzy_prefect.storage import filesystem, filesystem_options, reaching, write_bytes
+from frenzy_prefect.storage import Deadline, filesystem, filesystem_options, reaching, write_bound_s, write_bytes
+from frenzy_prefect.torch_private import FsspecReader, FsspecWriter, flatten_state_dict
 from frenzy_prefect.training.decoder import stage_layers, tp_split
 from frenzy_prefect.training.engine import Engine
+from frenzy_prefect.training.manifest import MANIFEST, Manifest, intact_checkpoints, step_of, step_uri
 
-MANIFEST = "manifest.json"
-METADATA = ".metadata"  # DCP's index of every rank's pieces, written after all of them
-
-
-class CorruptCheckpoint(FrenzyError):
-    """A checkpoint whose manifest exists but does not read, or lacks DCP's index: resume skips it."""
-
-
-class Manifest(BaseModel):
-    """What marks a checkpoint complete, and what resuming needs beside the tensors."""
-
-    step: int
-    plan: ParallelPlan
-    model: ModelSpec
-    written_at: datetime
-    save_s: float
-    losses: list[float] = Field(description="Mean loss of each step so far, for the run's result.")
-
-
-def step_uri(prefix: str, step: int) -> str:
-    return f"{prefix.rstrip('/')}/step-{step:06d}"
-
-
-def _step_files(prefix: str) -> dict[int, set[str]]:
-    """The names of the files in each step directory under ``prefix``, by step (one listing)."""
-    fs, path = filesystem(prefix)
-    root = path.rstrip("/")
-    with reaching(prefix):
-        fs.invalidate_cache()  # s3fs caches listings (a directory's too, which its parent's invalidation keeps); other ranks write here
-        found = fs.find(root)
-    steps: dict[int, set[str]] = {}
-    for file in found:
-        folder, _, name = file.removeprefix(f"{root}/").partition("/")
-        if folder.removeprefix("step-").isdigit() and name and "/" not in name:
-            steps.setdefault(_step_of(folder), set()).add(name)
-    return steps
-
-
-def complete_checkpoints(prefix: str) -> list[str]:
-    """The complete checkpoints under ``prefix`` (those with a manifest), oldest first."""
-    return [step_uri(prefix, step) for step, names in sorted(_step_files(prefix).items()) if MANIFEST in names]
-
-
-def _intact_manifest(uri: str, names: set[str]) -> Manifest:
-    """The manifest of the checkpoint at ``uri``, whose directory holds the files ``names``;
-    CorruptCheckpoint, naming the file, if it does not parse, is of another step than its
-    directory's, or DCP's index of the pieces is missing."""
-    manifest_uri = f"{uri}/{MANIFEST}"
-    if METADATA not in names:
-        raise CorruptCheckpoint(f"it has a manifest but no {METADATA} (DCP's index of the pieces, written before the manifest)")
-    fs, path = filesystem(manifest_uri)
-    with reaching(manifest_uri):
-        raw = fs.cat_file(path)
-    try:
-        manifest = Manifest.model_validate_json(raw)
-    except ValidationError as exc:
-        raise CorruptCheckpoint(f"its manifest {manifest_uri} is corrupt: {describe_validation_error(exc)}") from None
-    if manifest.step != _step_of(uri):
-        raise CorruptCheckpoint(f"its manifest {manifest_uri} is of step {manifest.step}, not of its directory's step {_step_of(uri)}")
-    return manifest
-
-
-def intact_checkpoints(prefix: str, warn: Callable[[str], None] = lambda _: None) -> Iterator[tuple[str, Manifest]]:
-    """The intact checkpoints under ``prefix`` with their manifests, newest first: the complete
-    ones whose manifest reads (``_intact_manifest``). Each complete one that is not is skipped,
-    named to ``warn``; a torn one (no manifest) is skipped silently, as a crash leaves it."""
-    for step, names in sorted(_step_files(prefix).items(), reverse=True):
-        if MANIFEST not in names:
-            continue
-        uri = step_uri(prefix, step)
-        try:
-            manifest = _intact_manifest(uri, names)
-        except CorruptCheckpoint as exc:
-            warn(f"warning: skipping the checkpoint at {uri}: {exc}")
-            continue
-        yield uri, manifest
-
-
-def latest(prefix: str, warn: Callable[[str], None] = lambda _: None) -> tuple[str, Manifest] | None:
-    """The newest intact checkpoint under ``prefix`` and its manifest, or None; newer ones that
-    are corrupt are named to ``warn`` (``intact_checkpoints``)."""
-    return next(intact_checkpoints(prefix, warn), None)
+BYTES_PER_PARAMETER = 12  # the most a checkpoint keeps of a parameter: its fp32 weight and two optimizer states
 
 
 @dataclass
@@ -338,23 +255,63 @@ def training_state(engine: Engine) -> tuple[dict, list | None]:
 
 def save(engine: Engine, prefix: str, step: int, losses: list[float], keep: int) -> tuple[str, float]:
     """Every rank writes its pieces of step ``step``'s checkpoint, then rank 0 the manifest, then
-    prunes to the last ``keep``. Returns (its URI, seconds taken)."""
+    prunes to the last ``keep``: all within one bound (storage.write_bound_s), which every rank's
+    storage work respects, so that against a stalled endpoint every rank fails by then and none
+    waits in a collective for another. Returns (its URI, seconds taken)."""
     uri, started = step_uri(prefix, step), time.perf_counter()
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    if rank0:
-        _remove(uri)  # a torn write of this step by an earlier attempt
-    _barrier()
-    writer = FsspecWriter(uri, sync_files=False, **filesystem_options(uri))
-    with _storage_failures(uri):
+    deadline = Deadline(uri, write_bound_s(BYTES_PER_PARAMETER * engine.spec.parameters), "writing the checkpoint")
+    _on_rank0(lambda: deadline.run(lambda: _remove(uri)))  # a torn write of this step by an earlier attempt
+    writer = _BoundedWriter(uri, deadline, **filesystem_options(uri))
+    with _storage_failures(uri, deadline.started):
         dcp.save(training_state(engine)[0], storage_writer=writer, planner=_SavePlanner())
     _barrier()  # every rank's files are written
     seconds = time.perf_counter() - started
-    if rank0:
+    if not dist.is_initialized() or dist.get_rank() == 0:
         now = datetime.now(UTC)
         done = Manifest(step=step, plan=engine.plan, model=engine.spec, written_at=now, save_s=seconds, losses=losses)
-        write_bytes(f"{uri}/{MANIFEST}", done.model_dump_json(indent=2).encode())
-        prune(prefix, keep)
+        deadline.run(lambda: write_bytes(f"{uri}/{MANIFEST}", done.model_dump_json(indent=2).encode()))
+        deadline.run(lambda: prune(prefix, keep))
     return uri, seconds
+
+
+class _BoundedWriter(FsspecWriter):
+    """DCP's fsspec writer, its storage work (the directory, this rank's files, the coordinator's
+    metadata) within the save's Deadline."""
+
+    def __init__(self, uri: str, deadline: Deadline, **options) -> None:
+        super().__init__(uri, sync_files=False, **options)
+        self.deadline = deadline
+
+    def prepare_local_plan(self, plan):
+        prepare = super().prepare_local_plan
+        return self.deadline.run(lambda: prepare(plan))
+
+    def write_data(self, plan, planner):
+        write = super().write_data
+        return self.deadline.run(lambda: write(plan, planner))
+
+    def finish(self, metadata, results) -> None:
+        finish = super().finish
+        self.deadline.run(lambda: finish(metadata, results))
+
+
+def _on_rank0(action: Callable[[], None]) -> None:
+    """``action`` on rank 0 while the other ranks wait; if it fails, every rank raises (rank 0
+    its own error), so that none is left waiting in a collective rank 0 skipped."""
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    error = None
+    if rank0:
+        try:
+            action()
+        except Exception as exc:
+            error = exc
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        said = [None if error is None else f"{type(error).__name__}: {error}"]
+        dist.broadcast_object_list(said, src=0)
+        if said[0] is not None and not rank0:
+            raise RuntimeError(f"rank 0 failed: {said[0]}")
+    if error is not None:
+        raise error
 
 
 def load(engine: Engine, uri: str, manifest: Manifest) -> None:
@@ -389,30 +346,28 @@ def prune(prefix: str, keep: int) -> None:
     kept = [uri for uri, _ in islice(intact_checkpoints(prefix), keep)]
     if not kept:
         return
-    oldest = _step_of(kept[-1])
+    oldest = step_of(kept[-1])
     fs, path = filesystem(prefix)
     with reaching(prefix):
         names = [e.rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(path, detail=False, refresh=True)]
     for name in names:
-        if name.startswith("step-") and _step_of(name) < oldest:
+        if name.startswith("step-") and step_of(name) < oldest:
             _remove(f"{prefix.rstrip('/')}/{name}")
 
 
 @contextmanager
-def _storage_failures(uri: str) -> Iterator[None]:
+def _storage_failures(uri: str, started: float | None = None) -> Iterator[None]:
     """DCP gathers the ranks' failures into one CheckpointException (a BaseException, which
     ``together`` would not catch): the first rank's own exception instead, a stalled or
-    unreachable endpoint as a StorageUnreachable naming the URI (``storage.reaching``)."""
+    unreachable endpoint as a StorageUnreachable naming the URI and the time since ``started``
+    (``storage.reaching``)."""
+    started = time.monotonic() if started is None else started
     try:
         yield
     except CheckpointException as exc:
         first, _ = next(iter(exc.failures.values()))
-        with reaching(uri):
+        with reaching(uri, started):
             raise first from None
-
-
-def _step_of(uri: str) -> int:
-    return int(uri.rsplit("/", 1)[-1].removeprefix("step-"))
 
 
 def _remove(uri: str) -> None:

@@ -48,7 +48,7 @@ from frenzy_prefect.pipeline.schedule import Schedule
 from frenzy_prefect.spec.layout import check_engine_plan, check_resilience, deal_out, padded_vocab, uses_ddp
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import ParallelPlan
-from frenzy_prefect.spec.request import Attention, OptimizerSettings, Precision
+from frenzy_prefect.spec.workload import OptimizerSettings, Workload
 from frenzy_prefect.training.decoder import Decoder, is_tp_sharded, shard_state
 from frenzy_prefect.training.deepspeed_zero import ModelParallelUnit, start_zero2, zero_config
 from frenzy_prefect.training.executor import MicroBatch, MicroBatchSource, StageExecutor
@@ -134,12 +134,8 @@ class Engine:
         self,
         spec: ModelSpec,
         plan: ParallelPlan,
+        work: Workload,
         *,
-        precision: Precision,
-        optimizer: OptimizerSettings,
-        accumulation: int,
-        attention: Attention = "flash",
-        master_weights: bool = False,
         seed: int = 0,
         rank: int = 0,
         device: torch.device = torch.device("cpu"),
@@ -147,7 +143,9 @@ class Engine:
         backward: Backward = "fused",
         live: Sequence[int] | None = None,
     ):
+        precision, optimizer, attention, master_weights = work.precision, work.optimizer, work.attention, work.master_weights
         check_engine_plan(spec, plan, precision, master_weights)
+        accumulation = plan.accumulation(work.global_batch)
         self.spec, self.plan, self.settings, self.device = spec, plan, optimizer, device
         self.stage, self.replica, _ = plan.coordinates(rank)
         self.first, self.last = self.stage == 0, self.stage == plan.pp - 1

@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.pipeline.schedule import COMPUTE, Action, ActionKind, Schedule
 from frenzy_prefect.pipeline.workers import Worker
+from frenzy_prefect.torch_private import stage_backward_input, stage_backward_weight
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (input ids, target ids)
 MicroBatchSource = Callable[[int, int], MicroBatch]  # (pipeline, micro) -> that pipeline's micro-batch

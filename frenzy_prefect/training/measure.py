@@ -16,40 +16,35 @@ from pathlib import Path
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.spec.layout import check_engine_plan
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import MemoryBreakdown, ParallelPlan
-from frenzy_prefect.spec.request import Attention, OptimizerSettings, Precision
+from frenzy_prefect.spec.workload import Workload
+from frenzy_prefect.torch_private import MemRefType, StepTracker
 from frenzy_prefect.training.distributed import DistributedContext
 
 STEPS = 3
 CATEGORIES = {
-    _MemRefType.PARAM: "params",
-    _MemRefType.BUFFER: "params",
-    _MemRefType.GRAD: "grads",
-    _MemRefType.OPT: "optimizer",
-    _MemRefType.ACT: "activations",
-    _MemRefType.TEMP: "other",
-    _MemRefType.OTH: "other",
+    MemRefType.PARAM: "params",
+    MemRefType.BUFFER: "params",
+    MemRefType.GRAD: "grads",
+    MemRefType.OPT: "optimizer",
+    MemRefType.ACT: "activations",
+    MemRefType.TEMP: "other",
+    MemRefType.OTH: "other",
 }
 
 
-class Workload(BaseModel):
-    """What one measurement runs: the model, the plan and the training settings."""
+class Measurement(BaseModel):
+    """What one measurement runs: the model, the plan and the workload."""
 
     model_config = ConfigDict(frozen=True)
 
     model: ModelSpec
     plan: ParallelPlan
-    global_batch: int
-    seq_len: int
-    precision: Precision
-    optimizer: OptimizerSettings
-    attention: Attention = "flash"
-    master_weights: bool = False
+    work: Workload
 
 
 class RankMemory(BaseModel):
@@ -70,55 +65,7 @@ class RankMemory(BaseModel):
         return self.cuda_max_reserved + (self.cuda_outside_torch or 0)
 
 
-class _InBackward:
-    """Stands in for MemTracker's ModTracker: tells whether autograd is running a backward pass,
-    without module hooks. ModTracker's hooks refuse a module called once per micro-batch and keep
-    a pipeline stage's inputs alive until the step ends, which would inflate what is measured."""
-
-    parents: set[str] = set()
-
-    @property
-    def is_bw(self) -> bool:
-        return torch._C._current_graph_task_id() != -1
-
-    def register_user_hooks(self, *hooks) -> None:
-        pass
-
-    def clear_user_hooks(self) -> None:
-        pass
-
-    def __enter__(self) -> _InBackward:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
-
-
-class StepTracker(MemTracker):
-    """MemTracker's storage accounting (every tensor storage created in its context, by category)
-    over whole training steps. Gradients are categorised through hooks on ``modules``' parameters."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._mod_tracker = _InBackward()
-
-    def track_modules(self, *modules: torch.nn.Module) -> None:
-        """Categorise these modules' parameters, and (through hooks) their gradients."""
-        for module in modules:
-            self._track_module_params_and_buffers(module, install_grad_hooks=True)
-
-    def categorise(self, tensors, reftype: _MemRefType) -> None:
-        """Count these tensors' storage under ``reftype`` from now on."""
-        for t in tensors:
-            self._update_and_maybe_create_winfos(t, reftype)
-
-    def restart_peak(self) -> None:
-        """Forget the peak so far (building the model is not training)."""
-        self._peak_mem = {dev: snap["Total"] for dev, snap in self._curr_mem_snap.items()}
-        self._peak_mem_snap = self.get_tracker_snapshot()
-
-
-def peak_breakdown(tracker: MemTracker, device: torch.device) -> MemoryBreakdown:
+def peak_breakdown(tracker: StepTracker, device: torch.device) -> MemoryBreakdown:
     snapshot = tracker.get_tracker_snapshot("peak").get(device, {})
     parts = dict.fromkeys(("params", "grads", "optimizer", "activations", "other"), 0)
     for reftype, field in CATEGORIES.items():
@@ -126,39 +73,29 @@ def peak_breakdown(tracker: MemTracker, device: torch.device) -> MemoryBreakdown
     return MemoryBreakdown(**parts)
 
 
-def measure_rank(work: Workload, ctx: DistributedContext) -> RankMemory:
-    """Run this rank's share of ``work`` for STEPS optimizer steps under the tracker."""
+def measure_rank(measurement: Measurement, ctx: DistributedContext) -> RankMemory:
+    """Run this rank's share of ``measurement`` for STEPS optimizer steps under the tracker."""
     from frenzy_prefect.training.engine import Engine
 
-    plan = work.plan
+    model, plan, work = measurement.model, measurement.plan, measurement.work
     accumulation = plan.accumulation(work.global_batch)
     device = ctx.device
     tracker = StepTracker()
     generator = torch.Generator().manual_seed(ctx.rank)
     with tracker:  # from before DeepSpeed's initialize, which allocates its flat buffers
-        engine = Engine(
-            work.model,
-            plan,
-            precision=work.precision,
-            optimizer=work.optimizer,
-            accumulation=accumulation,
-            attention=work.attention,
-            master_weights=work.master_weights,
-            rank=ctx.rank,
-            device=device,
-        )
+        engine = Engine(model, plan, work, rank=ctx.rank, device=device)
         tracker.track_modules(engine.model)
         tracker.track_external(engine.optimizer, *([engine.optimizer.optim] if hasattr(engine.optimizer, "optim") else []))
-        tracker.categorise((master for _, master in engine.masters), _MemRefType.OPT)  # fp32 master weights: optimizer state
+        tracker.categorise((master for _, master in engine.masters), MemRefType.OPT)  # fp32 master weights: optimizer state
         if engine.main_grads:
-            tracker.categorise((p.main_grad for p in engine.model.parameters()), _MemRefType.GRAD)  # fp32 main gradients
+            tracker.categorise((p.main_grad for p in engine.model.parameters()), MemRefType.GRAD)  # fp32 main gradients
         tracker.restart_peak()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         for _ in range(STEPS):
             batches = []
             for _ in range(accumulation):
-                ids = torch.randint(0, work.model.vocab_size, (plan.micro_batch, work.seq_len + 1), generator=generator).to(device)
+                ids = torch.randint(0, model.vocab_size, (plan.micro_batch, work.seq_len + 1), generator=generator).to(device)
                 batches.append((ids[:, :-1], ids[:, 1:]))
             engine.step(batches)
     stage, _, _ = plan.coordinates(ctx.rank)
@@ -171,20 +108,21 @@ def measure_rank(work: Workload, ctx: DistributedContext) -> RankMemory:
     return result
 
 
-def measure(work: Workload, timeout_s: float = 600) -> list[RankMemory]:
-    """Execute ``work`` on plan.gpus local processes; every rank's measured peak, by rank."""
-    check_engine_plan(work.model, work.plan, work.precision, work.master_weights)
-    work.plan.accumulation(work.global_batch)
-    if torch.cuda.is_available() and work.plan.gpus > torch.cuda.device_count():
-        raise FrenzyError(f"the plan needs {work.plan.gpus} GPUs and this machine has {torch.cuda.device_count()}")
+def measure(measurement: Measurement, timeout_s: float = 600) -> list[RankMemory]:
+    """Execute ``measurement`` on plan.gpus local processes; every rank's measured peak, by rank."""
+    plan, work = measurement.plan, measurement.work
+    check_engine_plan(measurement.model, plan, work.precision, work.master_weights)
+    plan.accumulation(work.global_batch)
+    if torch.cuda.is_available() and plan.gpus > torch.cuda.device_count():
+        raise FrenzyError(f"the plan needs {plan.gpus} GPUs and this machine has {torch.cuda.device_count()}")
     with tempfile.TemporaryDirectory(prefix="frenzy-measure-") as out:
-        (Path(out) / "work.json").write_text(work.model_dump_json())
+        (Path(out) / "work.json").write_text(measurement.model_dump_json())
         argv = [
             sys.executable,
             "-m",
             "torch.distributed.run",
             "--standalone",
-            f"--nproc-per-node={work.plan.gpus}",
+            f"--nproc-per-node={plan.gpus}",
             "-m",
             "frenzy_prefect.training.measure",
             out,
@@ -192,19 +130,19 @@ def measure(work: Workload, timeout_s: float = 600) -> list[RankMemory]:
         env = os.environ | {"OMP_NUM_THREADS": "1"}
         done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout_s)
         results = sorted(Path(out).glob("rank-*.json"))
-        if done.returncode != 0 or len(results) != work.plan.gpus:
+        if done.returncode != 0 or len(results) != plan.gpus:
             tail = "\n".join(done.stderr.strip().splitlines()[-15:])
-            raise FrenzyError(f"measuring {work.plan.label()} failed (exit {done.returncode}):\n{tail}")
+            raise FrenzyError(f"measuring {plan.label()} failed (exit {done.returncode}):\n{tail}")
         return sorted((RankMemory.model_validate_json(f.read_text()) for f in results), key=lambda r: r.rank)
 
 
 def main() -> None:
     out = Path(sys.argv[1])
-    work = Workload.model_validate_json((out / "work.json").read_text())
+    measurement = Measurement.model_validate_json((out / "work.json").read_text())
     ctx = DistributedContext.from_env()
     ctx.init_process_group()
     try:
-        result = measure_rank(work, ctx)
+        result = measure_rank(measurement, ctx)
         torch.distributed.barrier()  # no rank closes its connections while a peer still uses them
     finally:
         torch.distributed.destroy_process_group()

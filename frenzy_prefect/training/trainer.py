@@ -1,6 +1,12 @@
 """A training job on this rank: the engine's steps over the dataset, the loss logged, sharded
 checkpoints written to storage every ``checkpoint_every`` steps, and a run resumed from its latest
-complete checkpoint (``checkpoint.py``)."""
+complete checkpoint (``checkpoint.py``).
+
+``train`` is the plain trainer (resilience "restart": a rank's failure fails the run, or torchrun
+restarts every rank from the last checkpoint). The resilient trainer (resilience "recycle",
+``resilient/trainer.py``) runs the same steps (``run_steps``) through failures; what both share
+lives here, once: the engine a job builds, its resume, the step loop with its checkpoints, the result.
+"""
 
 from __future__ import annotations
 
@@ -9,28 +15,28 @@ import statistics
 import time
 from collections.abc import Callable
 from contextlib import closing
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
-from frenzy_prefect.spec.layout import check_resilience
+from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.spec.plan import TrainingJob
 from frenzy_prefect.spec.request import OptimizerSettings, TrainingRequest
 from frenzy_prefect.spec.result import SurvivedFailure, TrainingResult
 from frenzy_prefect.storage import write_bytes
-from frenzy_prefect.training import checkpoint
-from frenzy_prefect.training.data import TokenWindows, replica_batches, step_batches, step_seed
+from frenzy_prefect.training import checkpoint, manifest
+from frenzy_prefect.training.data import TokenWindows, step_batches, step_seed
 from frenzy_prefect.training.distributed import DistributedContext, together
 from frenzy_prefect.training.engine import Engine
-from frenzy_prefect.training.resilient.generations import FINISHED, Generation, Position, await_admission, finished_result
-from frenzy_prefect.training.resilient.liveness import Heartbeat, incarnation_from_env
-from frenzy_prefect.training.resilient.steps import CHECKPOINT, Notify, RecycleSteps, share_from_live_replica
 
 T = TypeVar("T")
+Notify = Callable[[str, dict], None]  # (event name, details): rank 0 turns them into Prefect events
 StepRunner = Callable[[int, TokenWindows, "Progress"], float]  # (step, data, progress so far) -> the step's mean loss
-Survive = Callable[[Callable[[], T], Position, Callable[[], T]], T]  # RecycleSteps.survive, or just run it
+# Runs step n's checkpoint (the action), or (the resilient trainer, after a failure interrupted
+# it) runs it again, or takes what another survivor completed (the last callable).
+Survive = Callable[[Callable[[], T], int, Callable[[], T]], T]
 
 CHECKPOINT_SHARE = 0.05  # of training time that periodic checkpoints may take, by default
 
@@ -61,17 +67,10 @@ class Progress:
     final: str | None = None  # the last checkpoint's URI
     survived: list[dict] = field(default_factory=list)  # failures and rejoins trained through (SurvivedFailure's fields)
 
-    def agree(self, source: int) -> None:
-        """Take the checkpoint schedule of group rank ``source`` (collective; after a failure
-        interrupted a checkpoint that some survivors had completed, and re-agreed its interval)."""
-        fields = [self.every, self.last_saved, self.final]
-        dist.broadcast_object_list(fields, src=source)
-        self.every, self.last_saved, self.final = fields
-
     @classmethod
-    def start(cls, job: TrainingJob, resumed: checkpoint.Manifest | None) -> Progress:
+    def start(cls, job: TrainingJob, resumed: manifest.Manifest | None) -> Progress:
         first = resumed.step + 1 if resumed else 1
-        final = checkpoint.step_uri(job.checkpoint_uri, resumed.step) if resumed else None
+        final = manifest.step_uri(job.checkpoint_uri, resumed.step) if resumed else None
         # By default the interval is measured at this attempt's first step, then at each checkpoint.
         return cls(first, list(resumed.losses) if resumed else [], job.request.checkpoint_every or 1, first - 1, final)
 
@@ -79,20 +78,18 @@ class Progress:
 def train(job: TrainingJob, ctx: DistributedContext, log: Callable[[str], None] = print, notify: Notify | None = None) -> TrainingResult:
     """Run this rank's share of ``job``, from its latest complete checkpoint if it has one; every
     rank returns the same result, rank 0 writes it. ``notify(event, details)`` hears, from the
-    process group's rank 0, of the run's start, every step, each checkpoint and its completion,
-    and from every rank of failures survived (resilience "recycle")."""
+    process group's rank 0, of the run's start, every step, each checkpoint and its completion."""
     request, plan = job.request, job.allocation.plan
-    if ctx.world_size != plan.gpus:
-        raise RuntimeError(f"the plan needs {plan.gpus} ranks but this job has {ctx.world_size}")
-    started, notify = time.perf_counter(), notify or (lambda event, details: None)
     if request.resilience == "recycle":
-        return _train_through_failures(job, ctx, log, notify, started)
+        raise FrenzyError("resilience 'recycle' trains under each rank's supervisor (training.resilient), not this trainer")
+    check_world(job, ctx)
+    started, notify = time.perf_counter(), notify or (lambda event, details: None)
     ctx.init_process_group()
     try:
-        engine = _engine(job, ctx)
+        engine = build_engine(job, ctx)
         # Every rank's reads and writes go through `together`: a rank that cannot reach storage
         # fails the run with its reason, reported by rank 0.
-        progress = Progress.start(job, together(ctx, lambda: _resume(job, engine, log)))
+        progress = Progress.start(job, together(ctx, lambda: resume(job, engine, log)))
         loss_ranks = ctx.world_size // plan.pp  # the last stage's ranks report the loss
 
         def run_step(step: int, data: TokenWindows, progress: Progress) -> float:
@@ -105,74 +102,24 @@ def train(job: TrainingJob, ctx: DistributedContext, log: Callable[[str], None] 
 
         first = progress.next_step
         with closing(together(ctx, lambda: TokenWindows(job.dataset, request.seq_len))) as data:
-            timings = _run_steps(job, ctx, engine, data, progress, run_step, log, notify)
-        return _result(job, ctx, progress, first, timings, started)
+            timings = run_steps(job, ctx, engine, data, progress, run_step, log, notify)
+        return write_result(job, ctx, progress, first, timings, started)
     finally:
         dist.destroy_process_group()
 
 
-def _train_through_failures(
-    job: TrainingJob, ctx: DistributedContext, log: Callable[[str], None], notify: Notify, started: float
-) -> TrainingResult:
-    """``train`` under ReCycle (``recycle_live``): a first incarnation starts with the job; a
-    replacement (incarnation > 0) waits until the members admit it at a step's start and takes
-    its stage's state from a live replica, and the steps' progress from the members."""
-    check_resilience(job.allocation.plan, job.request.resilience, job.request.master_weights)
-    store, incarnation = ctx.rendezvous(), incarnation_from_env()
-    heartbeat = Heartbeat(ctx.rendezvous, (ctx.rank, incarnation))
-    try:
-        if incarnation == 0:
-            ctx.init_process_group(store)
-            generation = Generation(store, 0, list(range(ctx.world_size)), ctx.rank, dict.fromkeys(range(ctx.world_size), 0))
-            engine = _engine(job, ctx)
-            progress = Progress.start(job, together(ctx, lambda: _resume(job, engine, log)))
-            data = together(ctx, lambda: TokenWindows(job.dataset, job.request.seq_len))
-        else:
-            data = TokenWindows(job.dataset, job.request.seq_len)  # (before joining: no collective the members are not in)
-            admission = await_admission(store, (ctx.rank, incarnation))
-            if admission is None:  # the job finished while this replacement waited
-                return finished_result(store)
-            generation, note = admission
-            joined = time.perf_counter()
-            engine = _engine(job, ctx, live=generation.members)
-            share_from_live_replica(engine, [m for m in generation.members if m not in note["admitted"]], {ctx.rank})
-            progress = Progress(**note["progress"])  # (its record ends before this rejoin: added below)
-        steps = RecycleSteps(job, engine, generation, notify, log, progress.survived, progress.agree)
-        steps.current = progress.next_step
-        if incarnation > 0:
-            steps.record("rejoined", note["admitted"], time.perf_counter() - joined)
-            log(f"rank {ctx.rank} rejoined at step {progress.next_step}")
-            notify("rejoined", {"ranks": note["admitted"], "step": progress.next_step})
-
-        def run_step(step: int, data: TokenWindows, progress: Progress) -> float:
-            def batches(replica: int) -> list:
-                return [tuple(t.to(ctx.device) for t in b) for b in replica_batches(job, data, replica, step)]
-
-            return steps.step(step, batches, lambda: asdict(progress))
-
-        first = progress.next_step
-        with closing(data):
-            timings = _run_steps(job, ctx, engine, data, progress, run_step, log, notify, steps.survive)
-        result = _result(job, ctx, progress, first, timings, started)
-        if ctx.rank == steps.generation.members[0]:
-            store.set(FINISHED, result.model_dump_json())  # replacements still waiting return it
-        return result
-    finally:
-        heartbeat.stop()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def check_world(job: TrainingJob, ctx: DistributedContext) -> None:
+    if ctx.world_size != job.allocation.plan.gpus:
+        raise RuntimeError(f"the plan needs {job.allocation.plan.gpus} ranks but this job has {ctx.world_size}")
 
 
-def _engine(job: TrainingJob, ctx: DistributedContext, live: list[int] | None = None) -> Engine:
+def build_engine(job: TrainingJob, ctx: DistributedContext, live: list[int] | None = None) -> Engine:
+    """This rank's engine for the job (``live``: the ranks in the process group, when not all are)."""
     request, plan = job.request, job.allocation.plan
     return Engine(
         job.model,
         plan,
-        precision=request.precision,
-        optimizer=request.optimizer,
-        accumulation=plan.accumulation(request.global_batch),
-        attention=request.attention,
-        master_weights=request.master_weights,
+        request.workload,
         seed=request.seed,
         rank=ctx.rank,
         device=ctx.device,
@@ -181,7 +128,9 @@ def _engine(job: TrainingJob, ctx: DistributedContext, live: list[int] | None = 
     )
 
 
-def _result(job: TrainingJob, ctx: DistributedContext, progress: Progress, first: int, timings: dict, started: float) -> TrainingResult:
+def write_result(
+    job: TrainingJob, ctx: DistributedContext, progress: Progress, first: int, timings: dict, started: float
+) -> TrainingResult:
     """The run's result after its steps from ``first`` on (``timings``: this rank's), which the
     process group's rank 0 writes to metrics.json."""
     request = job.request
@@ -194,6 +143,7 @@ def _result(job: TrainingJob, ctx: DistributedContext, progress: Progress, first
         backend=ctx.backend,
         wall_s=elapsed,
         tokens_per_s=(request.steps - first + 1) * request.global_batch * request.seq_len / elapsed,
+        first_step=first,
         step_s=timings["step"],
         checkpoint_s=timings["checkpoint"],
         failures=[_with_throughput(record, first, timings["step"], request) for record in progress.survived],
@@ -216,19 +166,19 @@ def _with_throughput(record: dict, first: int, step_s: list[float], request: Tra
     return SurvivedFailure(**record, tokens_per_s_before=rate(before), tokens_per_s_after=rate(after))
 
 
-def _resume(job: TrainingJob, engine: Engine, log: Callable[[str], None]) -> checkpoint.Manifest | None:
+def resume(job: TrainingJob, engine: Engine, log: Callable[[str], None]) -> manifest.Manifest | None:
     """Load this run's latest intact checkpoint into ``engine``; returns its manifest, or None.
     A newer one whose manifest is corrupt is named in the log and skipped."""
-    found = checkpoint.latest(job.checkpoint_uri, warn=log)
+    found = manifest.latest(job.checkpoint_uri, warn=log)
     if found is None:
         return None
-    uri, manifest = found
-    checkpoint.load(engine, uri, manifest)
-    log(f"resumed from {uri} (step {manifest.step}, written by plan {manifest.plan.label()})")
-    return manifest
+    uri, resumed = found
+    checkpoint.load(engine, uri, resumed)
+    log(f"resumed from {uri} (step {resumed.step}, written by plan {resumed.plan.label()})")
+    return resumed
 
 
-def _run_steps(
+def run_steps(
     job: TrainingJob,
     ctx: DistributedContext,
     engine: Engine,
@@ -237,12 +187,12 @@ def _run_steps(
     run_step: StepRunner,
     log: Callable[[str], None],
     notify: Notify,
-    survive: Survive = lambda action, position, skipped: action(),
+    survive: Survive = lambda action, step, skipped: action(),
 ) -> dict[str, list[float]]:
     """The steps from ``progress`` on, with periodic checkpoints, each step's loss (averaged over
     the ranks) and checkpoint kept in ``progress``; returns this rank's wall times of each step
-    and each checkpoint. ``survive(action)`` runs a checkpoint (ReCycle: again, after a failure
-    interrupts it)."""
+    and each checkpoint. ``survive(action, step, skipped)`` runs a checkpoint (the resilient
+    trainer: again, after a failure interrupts it)."""
     request = job.request
     tokens_per_step = request.global_batch * request.seq_len
     timings: dict[str, list[float]] = {"step": [], "checkpoint": []}
@@ -266,8 +216,8 @@ def _run_steps(
         if step - progress.last_saved >= progress.every or step == request.steps:
             final, save_s, interval = survive(
                 lambda: _checkpoint(job, ctx, engine, step, progress.losses, timings),  # noqa: B023 (called at once)
-                (step, CHECKPOINT),
-                lambda: (checkpoint.step_uri(job.checkpoint_uri, step), 0.0, None),  # noqa: B023 (written before a failure)
+                step,
+                lambda: (manifest.step_uri(job.checkpoint_uri, step), 0.0, None),  # noqa: B023 (written before a failure)
             )
             log(f"checkpoint of step {step} written to {final} in {save_s:.2f} s")
             if interval is not None and interval != progress.every:

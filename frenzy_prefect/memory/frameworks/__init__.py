@@ -20,7 +20,7 @@ from frenzy_prefect.memory.frameworks.megatron import MegatronOptions
 from frenzy_prefect.spec.gpu import GpuType
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import MemoryEstimate, ParallelPlan
-from frenzy_prefect.spec.request import Attention, Precision
+from frenzy_prefect.spec.workload import Workload
 
 Framework = Literal["frenzy", "megatron", "fsdp"]
 FRAMEWORKS: tuple[str, ...] = ("frenzy", "megatron", "fsdp")
@@ -35,38 +35,32 @@ def estimate(
     framework: str,
     model: ModelSpec,
     plan: ParallelPlan,
+    work: Workload,
     *,
-    global_batch: int,
-    seq_len: int,
-    precision: Precision,
-    optimizer_bytes_per_param: int,
-    attention: Attention = "flash",
     gpu: GpuType | None = None,
     options: MegatronOptions | FsdpOptions | None = None,
-    master_weights: bool = False,
 ) -> MemoryEstimate:
     """Predicted peak bytes per GPU of every pipeline stage of ``plan`` under ``framework``:
     tensors only without ``gpu``; with it, this engine's calibrated overhead (frenzy) or the GPU
     type's assumed runtime terms (CUDA context, NCCL buffers, workspaces: ``memory.calibration``).
-    ``master_weights`` is this engine's knob (frenzy only)."""
+    Master weights are this engine's knob (frenzy only)."""
     check_framework(framework)
-    common = dict(global_batch=global_batch, seq_len=seq_len, precision=precision, optimizer_bytes_per_param=optimizer_bytes_per_param)
     if framework == "frenzy":
         if options is not None:
             raise FrenzyError("framework options (sequence parallelism, vpp) apply to megatron and fsdp only")
         from frenzy_prefect.memory.analytic import estimate as engine_estimate
 
-        return engine_estimate(model, plan, gpu=gpu, attention=attention, master_weights=master_weights, **common)
+        return engine_estimate(model, plan, work, gpu=gpu)
     # The CUDA context, NCCL buffers and library workspaces are the GPU's and PyTorch's, whatever
     # the framework: their documented assumption for the type (this engine's fitted entries are not applied).
     overhead = assumed_constants(gpu).overhead_bytes if gpu is not None else 0
     if framework == "megatron":
         if options is not None and not isinstance(options, MegatronOptions):
             raise FrenzyError("megatron takes MegatronOptions")
-        return megatron.estimate(model, plan, attention=attention, options=options, overhead_bytes=overhead, **common)
+        return megatron.estimate(model, plan, work, options=options, overhead_bytes=overhead)
     if options is not None and not isinstance(options, FsdpOptions):
         raise FrenzyError("fsdp takes FsdpOptions")
-    return fsdp.estimate(model, plan, attention=attention, options=options, overhead_bytes=overhead, **common)
+    return fsdp.estimate(model, plan, work, options=options, overhead_bytes=overhead)
 
 
 __all__ = ["FRAMEWORKS", "Framework", "FsdpOptions", "MegatronOptions", "check_framework", "estimate"]

@@ -41,7 +41,7 @@ from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.spec.layout import check_tp
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import MemoryBreakdown, MemoryEstimate, ParallelPlan
-from frenzy_prefect.spec.request import Attention, Precision
+from frenzy_prefect.spec.workload import Attention, Precision, Workload
 
 FP32 = 4
 BF16 = 2
@@ -88,27 +88,18 @@ def root_parameters(model: ModelSpec, tp: int) -> int:
 
 
 def estimate(
-    model: ModelSpec,
-    plan: ParallelPlan,
-    *,
-    global_batch: int,
-    seq_len: int,
-    precision: Precision,
-    optimizer_bytes_per_param: int,
-    attention: Attention = "flash",
-    options: FsdpOptions | None = None,
-    overhead_bytes: int = 0,
+    model: ModelSpec, plan: ParallelPlan, work: Workload, *, options: FsdpOptions | None = None, overhead_bytes: int = 0
 ) -> MemoryEstimate:
     """The peak bytes of one GPU (every rank is alike: one stage)."""
     options = options or FsdpOptions()
-    _check(model, plan, precision)
-    plan.accumulation(global_batch)
+    _check(model, plan, work.precision)
+    plan.accumulation(work.global_batch)
     t, dp, L = plan.tp, plan.dp, model.layers
     block, root = block_parameters(model, t), root_parameters(model, t)
     shard = math.ceil((L * block + root) / dp)  # parameters of this rank's shard
-    weights, optimizer, grads = FP32 * shard, optimizer_bytes_per_param * shard, FP32 * shard
-    tokens = plan.micro_batch * seq_len
-    saved_token, full_token = layer_bytes_per_token(model, plan.recompute, attention, seq_len)
+    weights, optimizer, grads = FP32 * shard, work.optimizer_bytes_per_param * shard, FP32 * shard
+    tokens = plan.micro_batch * work.seq_len
+    saved_token, full_token = layer_bytes_per_token(model, plan.recompute, work.attention, work.seq_len)
     layer = tokens * saved_token // t
     head = tokens * (2 * BF16 * model.hidden // t + FP32)  # final norm's input and output
     logits = tokens * model.padded_vocab // t

@@ -56,7 +56,7 @@ from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.spec.layout import check_tp, layer_parameters
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import MemoryBreakdown, MemoryEstimate, ParallelPlan
-from frenzy_prefect.spec.request import Attention, Precision
+from frenzy_prefect.spec.workload import Attention, Workload
 
 FP32 = 4
 MEGATRON_VOCAB_DIVISOR = 128  # make_vocab_size_divisible_by's default
@@ -77,6 +77,11 @@ class MegatronOptions:
 
     def sp(self, tp: int) -> bool:
         return tp > 1 if self.sequence_parallel is None else self.sequence_parallel and tp > 1
+
+
+def compute_bytes(work: Workload) -> int:
+    """Megatron's weights and activations are 16-bit unless it trains in fp32."""
+    return 2 if work.precision != "fp32" else FP32
 
 
 def padded_vocab(model: ModelSpec, tp: int) -> int:
@@ -156,10 +161,9 @@ def _eager_core(model: ModelSpec, e: int, seq_len: int, softmax_fused: bool) -> 
     return per * a * s
 
 
-def micro_batch_terms(
-    model: ModelSpec, plan: ParallelPlan, seq_len: int, precision: Precision, attention: Attention, options: MegatronOptions
-) -> _Terms:
-    t, sp, e = plan.tp, options.sp(plan.tp), 2 if precision != "fp32" else 4
+def micro_batch_terms(model: ModelSpec, plan: ParallelPlan, work: Workload, options: MegatronOptions) -> _Terms:
+    seq_len, attention = work.seq_len, work.attention
+    t, sp, e = plan.tp, options.sp(plan.tp), compute_bytes(work)
     tokens, h, f = seq_len * plan.micro_batch, model.hidden, model.ffn_hidden
     f_in = 2 * f if model.mlp == "swiglu" else f
     V = padded_vocab(model, t)
@@ -215,41 +219,32 @@ def _check(model: ModelSpec, plan: ParallelPlan, options: MegatronOptions, micro
         raise FrenzyError(f"vpp={v} needs pp >= 2 and layers ({model.layers}) divisible by pp * vpp ({plan.pp * v})")
 
 
-def model_state_bytes(plan: ParallelPlan, params: int, precision: Precision, optimizer_bytes_per_param: int) -> tuple[int, int, int]:
+def model_state_bytes(plan: ParallelPlan, params: int, work: Workload) -> tuple[int, int, int]:
     """(weights, gradient buffer, master weights + optimizer states) bytes of ``params`` parameters."""
-    half = precision != "fp32"
-    weights = (2 if half else FP32) * params
-    grads = (2 if precision == "fp16" else FP32) * params
-    sharded = ((FP32 if half else 0) + optimizer_bytes_per_param) * params
+    half = work.precision != "fp32"
+    weights = compute_bytes(work) * params
+    grads = (2 if work.precision == "fp16" else FP32) * params
+    sharded = ((FP32 if half else 0) + work.optimizer_bytes_per_param) * params
     if plan.zero == 1:
         sharded = math.ceil(sharded / plan.dp)
     return weights, grads, sharded
 
 
 def estimate(
-    model: ModelSpec,
-    plan: ParallelPlan,
-    *,
-    global_batch: int,
-    seq_len: int,
-    precision: Precision,
-    optimizer_bytes_per_param: int,
-    attention: Attention = "flash",
-    options: MegatronOptions | None = None,
-    overhead_bytes: int = 0,
+    model: ModelSpec, plan: ParallelPlan, work: Workload, *, options: MegatronOptions | None = None, overhead_bytes: int = 0
 ) -> MemoryEstimate:
     """Peak bytes per GPU of every pipeline stage; ``overhead_bytes`` (CUDA context, NCCL,
     allocator) is added to ``other`` when the caller wants more than tensors."""
     options = options or MegatronOptions()
-    micro_batches = plan.accumulation(global_batch)
+    micro_batches = plan.accumulation(work.global_batch)
     _check(model, plan, options, micro_batches)
     counts = stage_layers(model, plan, options)
-    terms = micro_batch_terms(model, plan, seq_len, precision, attention, options)
+    terms = micro_batch_terms(model, plan, work, options)
     v = options.vpp or 1
     out = []
     for stage, layers in enumerate(counts):
         params = stage_parameters(model, plan, layers, stage)
-        weights, grads, states = model_state_bytes(plan, params, precision, optimizer_bytes_per_param)
+        weights, grads, states = model_state_bytes(plan, params, work)
         chunks = in_flight(plan, stage, micro_batches, options)
         first, last = stage == 0, stage == plan.pp - 1
         saved = len(chunks) * layers // v * terms.layer
@@ -259,10 +254,9 @@ def estimate(
         if last and (v - 1) in chunks:
             moments.append((saved, max(terms.logits_transient, terms.output_backward - terms.softmax)))
         if first:  # the embedding's dense weight gradient, once the oldest micro-batch's backward is through
-            e = 2 if precision != "fp32" else 4
             done = layers // v * terms.layer + terms.embedding
-            moments.append((saved - done, e * padded_vocab(model, plan.tp) // plan.tp * model.hidden))
-        if precision == "fp16" and plan.zero == 0:  # the step's fp32 copies of the fp16 gradients
+            moments.append((saved - done, compute_bytes(work) * padded_vocab(model, plan.tp) // plan.tp * model.hidden))
+        if work.precision == "fp16" and plan.zero == 0:  # the step's fp32 copies of the fp16 gradients
             moments.append((0, FP32 * params))
         activations, transient = max(moments, key=sum)
         out.append(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from functools import lru_cache, wraps
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -12,7 +14,6 @@ from frenzy_prefect.pipeline.schedule import Schedule
 from frenzy_prefect.pipeline.timeline import Timeline
 from frenzy_prefect.pipeline.workers import Worker, check_shape, live_pipelines
 from frenzy_prefect.recycle.failures import FailureKey, canonical_failed, check_key, reroute
-from frenzy_prefect.recycle.fault_free import fault_free_iteration_s
 
 Status = Literal["heuristic", "optimal", "time_limit"]
 
@@ -25,7 +26,7 @@ class Plan(BaseModel):
     key: FailureKey
     schedule: Schedule
     iteration_s: float  # the schedule's timeline makespan (timeline.py defines it)
-    fault_free_s: float
+    fault_free_s: float  # the same planner's iteration with no failures, same costs and memory bound (``against_fault_free``)
     planner: str
     planner_wall_s: float
     status: Status
@@ -34,7 +35,7 @@ class Plan(BaseModel):
 
     @property
     def relative_throughput(self) -> float:
-        """Iterations per second relative to fault-free training (1.0: no loss)."""
+        """Iterations per second relative to the same planner's schedule without failures (1.0: no loss)."""
         return self.fault_free_s / self.iteration_s
 
 
@@ -79,18 +80,44 @@ class Problem:
         trip = sum(c.forward_s) + sum(c.backward_input_s) + 2 * (self.pp - 1) * c.p2p_s + c.backward_weight_s[0] + tail[0]
         return max(work, trip)
 
-    def fault_free_s(self) -> float:
-        return fault_free_iteration_s(self.costs, self.dp, self.pp, self.m)
-
     def result(self, schedule: Schedule, timeline: Timeline, planner: str, wall_s: float, status: Status, gap: float | None = None) -> Plan:
+        """The plan, as its own baseline: ``against_fault_free`` gives a failure key's plan the no-failure one's."""
         return Plan(
             key=self.key,
             schedule=schedule,
             iteration_s=timeline.iteration_s,
-            fault_free_s=self.fault_free_s(),
+            fault_free_s=timeline.iteration_s,
             planner=planner,
             planner_wall_s=wall_s,
             status=status,
             mip_gap=gap,
             lower_bound_s=self.lower_bound_s(),
         )
+
+
+PlanFunction = Callable[..., Plan]
+
+
+def against_fault_free(plan_fn: PlanFunction) -> PlanFunction:
+    """A planner whose plans are measured against its own plan with no failures, on the same shape,
+    costs and memory bound: what failures cost is then all that relative throughput shows (against
+    plain 1F1B, a plan of no failures would reach 110%: the planner defers W into bubbles, as it
+    does under failures). A plan of no failures is its own baseline, exactly 100%. The baseline is
+    planned once per shape, costs and bound (``plan.fault_free``)."""
+
+    @lru_cache(maxsize=64)
+    def planned(dp: int, pp: int, microbatches: int, costs: StageCosts, bound: int | tuple[int, ...] | None) -> Plan:
+        return plan_fn(dp, pp, microbatches, (0,) * pp, costs, bound)
+
+    def fault_free(dp: int, pp: int, microbatches: int, costs: StageCosts, memory_bound: MemoryBound = None) -> Plan:
+        return planned(dp, pp, microbatches, costs, tuple(memory_bound) if isinstance(memory_bound, Sequence) else memory_bound)
+
+    @wraps(plan_fn)
+    def plan(dp: int, pp: int, microbatches: int, failures_per_stage, costs: StageCosts, memory_bound: MemoryBound = None, **kw) -> Plan:
+        result = plan_fn(dp, pp, microbatches, failures_per_stage, costs, memory_bound, **kw)
+        if not any(result.key):
+            return result
+        return result.model_copy(update={"fault_free_s": fault_free(dp, pp, microbatches, costs, memory_bound).iteration_s})
+
+    plan.fault_free = fault_free  # type: ignore[attr-defined]
+    return plan

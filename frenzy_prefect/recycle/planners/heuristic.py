@@ -20,7 +20,7 @@ from frenzy_prefect.pipeline.in_flight import MemoryBound
 from frenzy_prefect.pipeline.schedule import Schedule
 from frenzy_prefect.pipeline.timeline import Timeline, compute_needs, run_timeline
 from frenzy_prefect.pipeline.workers import Worker
-from frenzy_prefect.recycle.planners.base import Plan, Problem
+from frenzy_prefect.recycle.planners.base import Plan, Problem, against_fault_free
 
 Ready = dict[tuple[int, int], float]  # (pipeline, micro) -> when its inputs are there
 
@@ -161,6 +161,7 @@ def best_schedule(problem: Problem) -> tuple[Schedule, Timeline]:
     return best
 
 
+@against_fault_free
 def plan(dp: int, pp: int, microbatches: int, failures_per_stage, costs: StageCosts, memory_bound: MemoryBound = None) -> Plan:
     started = time.perf_counter()
     problem = Problem(dp, pp, microbatches, failures_per_stage, costs, memory_bound)

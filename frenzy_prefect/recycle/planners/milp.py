@@ -49,7 +49,7 @@ from frenzy_prefect.pipeline.in_flight import MemoryBound
 from frenzy_prefect.pipeline.timeline import run_timeline
 from frenzy_prefect.pipeline.workers import Worker
 from frenzy_prefect.recycle import killable_milp
-from frenzy_prefect.recycle.planners.base import Plan, Problem
+from frenzy_prefect.recycle.planners.base import Plan, Problem, against_fault_free
 from frenzy_prefect.recycle.planners.heuristic import best_schedule
 
 TIME_LIMIT_S = 10.0
@@ -212,6 +212,7 @@ def solve(problem: Problem, fb_orders: dict[Worker, list[ComputeItem]], time_lim
     return Solved(_orders(fb_orders, cols.n_of, result["x"]), result["status"] == 0, bound)
 
 
+@against_fault_free
 def plan(
     dp: int,
     pp: int,

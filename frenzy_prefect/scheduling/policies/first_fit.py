@@ -19,7 +19,7 @@ class FirstFit:
     name: ClassVar[str] = "first-fit"
     round_s: ClassVar[float | None] = None
 
-    def prepare(self, job: SimJob, cluster: SimCluster) -> None:
+    def prepare(self, job: SimJob, cluster: SimCluster, underestimate: float = 1.0) -> None:
         """A user without a memory model computes nothing ahead."""
 
     def type_order(self, cluster: SimCluster) -> list[str]:

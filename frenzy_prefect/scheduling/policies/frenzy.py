@@ -26,7 +26,7 @@ from typing import ClassVar, NamedTuple
 from frenzy_prefect.scheduling.cluster import SimCluster
 from frenzy_prefect.scheduling.jobs import SimJob
 from frenzy_prefect.scheduling.options import Option
-from frenzy_prefect.scheduling.policies.base import Reject, Start, Waiting
+from frenzy_prefect.scheduling.policies.base import Reject, Start, Waiting, no_plan_fits
 
 MIN_EFFICIENCY = 0.5
 IDLE_SHARE = 0.5
@@ -66,18 +66,19 @@ class Frenzy:
         self.min_efficiency = min_efficiency
         self.idle_share = idle_share
         self.backfill_depth = backfill_depth
-        self._ranked: dict[tuple[str, int], list[Ranked]] = {}
+        self._ranked: dict[tuple[str, int, float], list[Ranked]] = {}
 
-    def prepare(self, job: SimJob, cluster: SimCluster) -> None:
-        self.ranked(job, cluster)
+    def prepare(self, job: SimJob, cluster: SimCluster, underestimate: float = 1.0) -> None:
+        self.ranked(job, cluster, underestimate)
 
-    def ranked(self, job: SimJob, cluster: SimCluster) -> list[Ranked]:
-        """The job's plans, best predicted completion first (cached per job shape)."""
-        key = (job.model, job.global_batch)
+    def ranked(self, job: SimJob, cluster: SimCluster, underestimate: float = 1.0) -> list[Ranked]:
+        """The job's plans, best predicted completion first (cached per job shape and what its
+        out-of-memory runs proved of its estimates)."""
+        key = (job.model, job.global_batch, underestimate)
         if key not in self._ranked:
             plans: list[Ranked] = []
             for gpu_type in cluster.types:
-                steps = [(o, cluster.predicted_step_s(o)) for o in cluster.options(job, gpu_type)]
+                steps = [(o, cluster.predicted_step_s(o)) for o in cluster.options(job, gpu_type, underestimate)]
                 if steps:
                     cheapest = min(o.gpus * s for o, s in steps)
                     plans += [Ranked(o, s, cheapest >= self.min_efficiency * o.gpus * s) for o, s in steps]
@@ -87,7 +88,7 @@ class Frenzy:
 
     def _urgency(self, waiting: Waiting, now: float, cluster: SimCluster) -> float:
         """Highest response ratio first: (waited + predicted run) / predicted run, negated."""
-        plans = self.ranked(waiting.job, cluster)
+        plans = self.ranked(waiting.job, cluster, waiting.underestimate)
         if not plans:
             return -math.inf
         run = waiting.job.steps * plans[0].step_s
@@ -101,9 +102,9 @@ class Frenzy:
         for position, waiting in enumerate(ordered):
             if not any(cluster.free_total.values()) or looked > self.backfill_depth:
                 break
-            plans = self.ranked(waiting.job, cluster)
+            plans = self.ranked(waiting.job, cluster, waiting.underestimate)
             if not plans:
-                out.append(Reject(waiting, f"no plan fits any GPU type of the cluster ({', '.join(cluster.types)}) in memory"))
+                out.append(Reject(waiting, no_plan_fits(waiting, cluster)))
                 continue
             if reservation is not None:
                 looked += 1

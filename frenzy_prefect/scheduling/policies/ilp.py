@@ -23,7 +23,7 @@ from scipy.sparse import coo_array
 from frenzy_prefect.scheduling.cluster import SimCluster
 from frenzy_prefect.scheduling.jobs import SimJob
 from frenzy_prefect.scheduling.options import Option
-from frenzy_prefect.scheduling.policies.base import Reject, Start, Waiting
+from frenzy_prefect.scheduling.policies.base import Reject, Start, Waiting, no_plan_fits
 
 ROUND_S = 60.0
 WINDOW = 128
@@ -49,9 +49,9 @@ class Ilp:
     name: ClassVar[str] = "ilp"
     round_s: ClassVar[float | None] = ROUND_S
 
-    def prepare(self, job: SimJob, cluster: SimCluster) -> None:
+    def prepare(self, job: SimJob, cluster: SimCluster, underestimate: float = 1.0) -> None:
         for gpu_type in cluster.types:
-            cluster.options(job, gpu_type)
+            cluster.options(job, gpu_type, underestimate)
 
     def schedule(self, now: float, queue: list[Waiting], cluster: SimCluster) -> list[Start | Reject]:
         out: list[Start | Reject] = []
@@ -59,9 +59,9 @@ class Ilp:
         window = queue[:WINDOW]
         for j, waiting in enumerate(window):
             job = waiting.job
-            options = [o for t in cluster.types for o in cluster.options(job, t)]
+            options = [o for t in cluster.types for o in cluster.options(job, t, waiting.underestimate)]
             if not options:
-                out.append(Reject(waiting, f"no plan fits any GPU type of the cluster ({', '.join(cluster.types)}) in memory"))
+                out.append(Reject(waiting, no_plan_fits(waiting, cluster)))
                 continue
             runtime = {o: job.steps * cluster.predicted_step_s(o) for o in options}
             cheapest = runtime[min(options, key=lambda o: o.gpus * runtime[o])]

@@ -42,10 +42,10 @@ from frenzy_prefect.training.engine import Engine, MicroBatch
 from frenzy_prefect.training.resilient.generations import Generation, Interrupted, Position
 from frenzy_prefect.training.resilient.liveness import Log
 from frenzy_prefect.training.resilient.peer_state import share_stage_state
+from frenzy_prefect.training.trainer import Notify
 
 T = TypeVar("T")
 STEP, CHECKPOINT = 0, 1  # the phases of a step (Position)
-Notify = Callable[[str, dict], None]  # (event name, details): rank 0 turns them into Prefect events
 
 
 class RecycleSteps:

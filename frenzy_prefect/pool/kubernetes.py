@@ -1,0 +1,137 @@
+"""The `frenzy` pool on a Kubernetes cluster (``launcher: kubernetes``): the pool's Kubernetes
+variables as the launcher's settings, a training run as one JobSet (launch.kubernetes), the
+cluster connection from prefect-kubernetes' KubernetesClusterConfig block (or in-cluster), and
+the pods' GPU requests in what the pool's queue hands out (a GPU a pod that is not ours holds is
+free to no run of the pool)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from frenzy_prefect.errors import FrenzyError
+from frenzy_prefect.launch.command import Launch
+from frenzy_prefect.launch.kubernetes import SUBMITTED, kubernetes_launch
+from frenzy_prefect.launch.kubernetes_client import api_client
+from frenzy_prefect.launch.kubernetes_inventory import free_counts, products, read_cluster
+from frenzy_prefect.launch.kubernetes_manifest import SECRET_ENV, KubernetesSettings, KubernetesSubmission, NodePods, object_name
+from frenzy_prefect.launch.slurm_inventory import narrow_to_slurm
+from frenzy_prefect.spec.cluster import ClusterSpec
+from frenzy_prefect.spec.plan import JOB_ENV, TrainingJob
+
+FreeNarrowing = Callable[[ClusterSpec, dict[str, list[int]]], Awaitable[dict[str, list[int]]]]
+KUBERNETES_JOB_LABEL = "frenzy.kubernetes-job"  # the run's JobSet (or Jobs') name
+
+
+async def load_cluster_config_async(block: str) -> tuple[dict[str, Any], str | None]:
+    """The kubeconfig dict and context of a KubernetesClusterConfig block; FrenzyError naming it when there is none."""
+    from prefect_kubernetes.credentials import KubernetesClusterConfig
+
+    try:
+        found = await KubernetesClusterConfig.aload(block)
+    except ValueError:
+        raise FrenzyError(f"no KubernetesClusterConfig block named {block!r} (the pool's cluster_config)") from None
+    return found.config, found.context_name
+
+
+def load_cluster_config(block: str) -> tuple[dict[str, Any], str | None]:
+    import asyncio
+
+    return asyncio.run(load_cluster_config_async(block))
+
+
+def kubernetes_settings(configuration: Any) -> KubernetesSettings:
+    if not configuration.image:
+        raise FrenzyError("the kubernetes launcher needs the pool's image set: an image with frenzy-prefect installed")
+    return KubernetesSettings(
+        image=configuration.image,
+        namespace=configuration.namespace,
+        service_account=configuration.service_account_name,
+        image_pull_policy=configuration.image_pull_policy,
+        python=configuration.node_python or "python",
+        resources=configuration.resources or {},
+        pod_spec=configuration.pod_spec or {},
+        api=configuration.kubernetes_api,
+        storage_secret=configuration.storage_secret,
+        api_key_secret=configuration.api_key_secret,
+        ttl_seconds_after_finished=configuration.ttl_seconds_after_finished,
+        rendezvous_port=configuration.rendezvous_port,
+    )
+
+
+def pod_env(configuration: Any, extra: dict[str, str]) -> dict[str, str]:
+    """The pods' plain environment: the run's job configuration's (Prefect's settings for the
+    flow run, the pool's env), never the worker's own; the Prefect API key only through
+    api_key_secret (FrenzyError when it would otherwise be a plain value)."""
+    env = {k: v for k, v in {**configuration.env, **extra}.items() if v is not None}
+    if env.pop("PREFECT_API_KEY", None) and not configuration.api_key_secret:
+        raise FrenzyError("the worker's Prefect API key would be a plain value in the run's pods; set the pool's api_key_secret")
+    if leaked := sorted(SECRET_ENV & env.keys()):
+        raise FrenzyError(f"the pool's env sets {', '.join(leaked)}; give S3 keys as its storage_secret (a Kubernetes Secret)")
+    return env
+
+
+def kubernetes_launches(
+    configuration: Any,
+    job: TrainingJob,
+    env: dict[str, str],
+    kubeconfig: tuple[dict[str, Any], str | None] | None,
+    gpu_products: dict[str, str],
+) -> list[Launch]:
+    """The run's one launched command: the watcher of its JobSet (named after the flow run);
+    ``env``: what the worker adds to the pods' environment (the cluster block's name)."""
+    run_id = configuration.env.get("PREFECT__FLOW_RUN_ID", "")
+    missing = [p.node for p in job.allocation.placements if p.node not in gpu_products]
+    if missing:
+        raise FrenzyError(
+            f"Kubernetes has no GPU node {', '.join(missing)}: name the nodes as it does (frenzy cluster discover --kubernetes)"
+        )
+    submission = KubernetesSubmission(
+        settings=kubernetes_settings(configuration),
+        name=object_name(configuration.name or "run", run_id),
+        flow_run_id=run_id,
+        flow_run_name=configuration.name or "",
+        nodes=[NodePods(node=p.node, gpus=len(p.gpus), product=gpu_products[p.node]) for p in job.allocation.placements],
+        max_restarts=job.request.max_restarts,
+        env=pod_env(configuration, {**env, JOB_ENV: job.model_dump_json()}),
+    )
+    config, context = kubeconfig if kubeconfig else (None, None)
+    return [kubernetes_launch(submission, config, context, gpus=job.allocation.plan.gpus)]
+
+
+async def cluster_connection(configuration: Any) -> tuple[dict[str, Any], str | None] | None:
+    return await load_cluster_config_async(configuration.cluster_config) if configuration.cluster_config else None
+
+
+async def gpu_products(kubeconfig: tuple[dict[str, Any], str | None] | None) -> dict[str, str]:
+    async with api_client(*(kubeconfig or (None, None))) as api:
+        nodes, _ = await read_cluster(api)
+    return products(nodes)
+
+
+def kubernetes_free_narrowing(kubeconfig: tuple[dict[str, Any], str | None] | None) -> FreeNarrowing:
+    """What the pool's queue calls on the GPUs its reservations leave free: cut to what the
+    nodes' allocatable GPUs leave once every running pod's requests are counted."""
+
+    async def narrow(cluster: ClusterSpec, free: dict[str, list[int]]) -> dict[str, list[int]]:
+        async with api_client(*(kubeconfig or (None, None))) as api:
+            nodes, pods = await read_cluster(api)
+        # (our own running runs' pods are counted by the reservations and by Kubernetes both: the
+        # smaller of the two is what is free)
+        return narrow_to_slurm(free, free_counts(nodes, pods))
+
+    return narrow
+
+
+def kubernetes_log_forwarder(
+    logger: logging.LoggerAdapter, label: Callable[[dict[str, str]], Awaitable[None]]
+) -> Callable[[str], Awaitable[None]]:
+    """The watcher's lines into the run's log; its JobSet's name into the run's labels."""
+
+    async def forward(line: str) -> None:
+        logger.info(line)
+        if line.startswith(SUBMITTED):
+            await label({KUBERNETES_JOB_LABEL: line.removeprefix(SUBMITTED).split(" in namespace ")[0].split()[-1]})
+
+    return forward

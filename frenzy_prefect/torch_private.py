@@ -1,0 +1,90 @@
+"""The private torch APIs the project relies on, in one place (the core's side; Prefect's are
+``prefect_private``). Each is reached only through this module and checked by
+tests/test_private_apis.py for the signature and behaviour used here, so that a torch upgrade that
+changes one fails there by name, with the range pyproject.toml vouches for (it stops before torch's
+next minor release for that reason).
+
+- DCP's fsspec storage (``_fsspec_filesystem``): sharded checkpoints written to and read from
+  s3fs; the public ``FileSystemWriter`` writes local paths only.
+- DCP's nested-dict helper (``_nested_dict.flatten_state_dict``): the load planner flattens the
+  state itself, because ``DefaultLoadPlanner`` replaces objects it does not know by None.
+- pipelining's split backward (``_backward.stage_backward_input`` / ``stage_backward_weight``):
+  B and W apart, weight gradients equal to one full backward; torch's schedule runtime, their
+  only public user, binds a stage to one rank (see DESIGN section 8).
+- MemTracker (``_tools.mem_tracker``) and the internals ``StepTracker`` drives: per-category
+  storage accounting, over whole steps, with ``torch._C._current_graph_task_id`` telling a
+  backward pass from a forward without module hooks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mem_tracker import _MemRefType as MemRefType
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+__all__ = [
+    "FsspecReader",
+    "FsspecWriter",
+    "MemRefType",
+    "StepTracker",
+    "flatten_state_dict",
+    "in_backward",
+    "stage_backward_input",
+    "stage_backward_weight",
+]
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class _InBackward:
+    """Stands in for MemTracker's ModTracker: tells whether autograd is running a backward pass,
+    without module hooks. ModTracker's hooks refuse a module called once per micro-batch and keep
+    a pipeline stage's inputs alive until the step ends, which would inflate what is measured."""
+
+    parents: set[str] = set()
+
+    @property
+    def is_bw(self) -> bool:
+        return in_backward()
+
+    def register_user_hooks(self, *hooks) -> None:
+        pass
+
+    def clear_user_hooks(self) -> None:
+        pass
+
+    def __enter__(self) -> _InBackward:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+class StepTracker(MemTracker):
+    """MemTracker's storage accounting (every tensor storage created in its context, by category)
+    over whole training steps. Gradients are categorised through hooks on ``modules``' parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mod_tracker = _InBackward()
+
+    def track_modules(self, *modules: torch.nn.Module) -> None:
+        """Categorise these modules' parameters, and (through hooks) their gradients."""
+        for module in modules:
+            self._track_module_params_and_buffers(module, install_grad_hooks=True)
+
+    def categorise(self, tensors, reftype: MemRefType) -> None:
+        """Count these tensors' storage under ``reftype`` from now on."""
+        for t in tensors:
+            self._update_and_maybe_create_winfos(t, reftype)
+
+    def restart_peak(self) -> None:
+        """Forget the peak so far (building the model is not training)."""
+        self._peak_mem = {dev: snap["Total"] for dev, snap in self._curr_mem_snap.items()}
+        self._peak_mem_snap = self.get_tracker_snapshot()

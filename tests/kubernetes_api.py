@@ -1,0 +1,222 @@
+"""A small Kubernetes API server for the tests, on 127.0.0.1 (aiohttp), spoken to over real HTTP
+by kubernetes_asyncio: create (strict validation: tests/kubernetes_schemas.py; 404 for a
+missing namespace, 409 AlreadyExists, 422 Invalid with causes), get, list with equality label
+selectors, watch (newline-delimited events), delete (owned objects go too unless
+propagationPolicy is Orphan; here a JobSet owns the pods the test makes for it), pods' logs, and
+API discovery of the JobSet group. It is no apiserver: no defaulting, admission, controllers or
+resourceVersion semantics beyond a counter (../shared/KUBERNETES.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from frenzy_prefect.launch.kubernetes_manifest import JOB_LABEL, JOBSET_API
+
+from .kubernetes_schemas import Invalid, validate
+
+KINDS = {
+    "nodes": ("v1", "Node"),
+    "pods": ("v1", "Pod"),
+    "services": ("v1", "Service"),
+    "jobs": ("batch/v1", "Job"),
+    "jobsets": (JOBSET_API, "JobSet"),
+}
+
+
+def status(code: int, reason: str, message: str, causes: list[tuple[str, str]] | None = None) -> web.Response:
+    body: dict[str, Any] = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message, "reason": reason}
+    body["code"] = code
+    if causes:
+        body["details"] = {"causes": [{"field": f, "message": m, "reason": "FieldValueInvalid"} for f, m in causes]}
+    return web.json_response(body, status=code)
+
+
+class ApiServer:
+    def __init__(self, namespaces: tuple[str, ...] = ("default",), jobset: bool = True) -> None:
+        self.namespaces, self.jobset = set(namespaces), jobset
+        self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}  # (plural, namespace, name)
+        self.version = 0
+        self.watchers: list[tuple[str, str, dict[str, str], asyncio.Queue]] = []
+        self.deletes: list[tuple[str, str, str | None]] = []  # (plural, name, propagationPolicy)
+        self.logs: dict[str, str] = {}
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        for prefix in ("/api/{version}", "/apis/{group}/{version}"):
+            app.router.add_get(prefix + "/namespaces/{ns}/pods/{name}/log", self.log)
+            app.router.add_post(prefix + "/namespaces/{ns}/{plural}", self.create)
+            app.router.add_get(prefix + "/namespaces/{ns}/{plural}", self.list)
+            app.router.add_get(prefix + "/namespaces/{ns}/{plural}/{name}", self.get)
+            app.router.add_delete(prefix + "/namespaces/{ns}/{plural}/{name}", self.delete)
+        app.router.add_get("/apis/{group}/{version}", self.discovery)
+        app.router.add_get("/api/v1/{plural}", self.list_all)  # nodes; pods of every namespace
+        return app
+
+    def _bump(self) -> str:
+        self.version += 1
+        return str(self.version)
+
+    def put(self, plural: str, obj: dict[str, Any], event: str = "MODIFIED") -> None:
+        """Store ``obj`` (what a controller or the kubelet does) and tell the watchers."""
+        meta = obj["metadata"]
+        meta["resourceVersion"] = self._bump()
+        self.objects[(plural, meta.get("namespace", "default"), meta["name"])] = obj
+        self._notify(plural, event, obj)
+
+    def _notify(self, plural: str, event: str, obj: dict[str, Any]) -> None:
+        for p, ns, selector, queue in self.watchers:
+            if p == plural and ns == obj["metadata"].get("namespace") and _matches(obj, selector):
+                queue.put_nowait({"type": event, "object": copy.deepcopy(obj)})
+
+    async def discovery(self, request: web.Request) -> web.Response:
+        if f"{request.match_info['group']}/{request.match_info['version']}" != JOBSET_API or not self.jobset:
+            return status(404, "NotFound", "the server could not find the requested resource")
+        resource = {
+            "name": "jobsets",
+            "singularName": "jobset",
+            "namespaced": True,
+            "kind": "JobSet",
+            "verbs": ["create", "delete", "get", "list", "watch"],
+        }
+        return web.json_response({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": JOBSET_API, "resources": [resource]})
+
+    def _kind_ok(self, request: web.Request, obj: dict[str, Any]) -> web.Response | None:
+        plural, ns = request.match_info["plural"], request.match_info["ns"]
+        if plural not in KINDS or (plural == "jobsets" and not self.jobset):
+            return status(404, "NotFound", "the server could not find the requested resource")
+        if (obj.get("apiVersion"), obj.get("kind")) != KINDS[plural]:
+            return status(400, "BadRequest", f"the API version in the data ({obj.get('apiVersion')}) does not match {KINDS[plural][0]}")
+        if ns not in self.namespaces:
+            return status(404, "NotFound", f'namespaces "{ns}" not found')
+        return None
+
+    async def create(self, request: web.Request) -> web.Response:
+        obj = await request.json()
+        if refused := self._kind_ok(request, obj):
+            return refused
+        plural, ns = request.match_info["plural"], request.match_info["ns"]
+        name = obj.get("metadata", {}).get("name", "")
+        try:
+            validate(obj)
+        except Invalid as exc:
+            return status(422, "Invalid", f'{KINDS[plural][1]} "{name}" is invalid: {exc}', exc.causes)
+        if (plural, ns, name) in self.objects:
+            return status(409, "AlreadyExists", f'{plural} "{name}" already exists')
+        obj["metadata"] |= {"namespace": ns, "uid": str(uuid.uuid4()), "creationTimestamp": "2026-12-02T00:00:00Z"}
+        self.put(plural, obj, "ADDED")
+        return web.json_response(obj, status=201)
+
+    async def get(self, request: web.Request) -> web.Response:
+        m = request.match_info
+        obj = self.objects.get((m["plural"], m["ns"], m["name"]))
+        return web.json_response(obj) if obj else status(404, "NotFound", f'{m["plural"]} "{m["name"]}" not found')
+
+    async def list(self, request: web.Request) -> web.StreamResponse:
+        plural, ns = request.match_info["plural"], request.match_info["ns"]
+        selector = _selector(request.query.get("labelSelector", ""))
+        if request.query.get("watch", "").lower() in ("true", "1"):
+            return await self._watch(request, plural, ns, selector)
+        items = [o for (p, n, _), o in self.objects.items() if p == plural and n == ns and _matches(o, selector)]
+        kind = KINDS.get(plural, ("v1", "List"))
+        return web.json_response(
+            {"kind": f"{kind[1]}List", "apiVersion": kind[0], "metadata": {"resourceVersion": str(self.version)}, "items": items}
+        )
+
+    async def list_all(self, request: web.Request) -> web.Response:
+        plural = request.match_info["plural"]
+        items = [o for (p, _, _), o in self.objects.items() if p == plural]
+        return web.json_response(
+            {"kind": f"{KINDS[plural][1]}List", "apiVersion": "v1", "metadata": {"resourceVersion": str(self.version)}, "items": items}
+        )
+
+    async def _watch(self, request: web.Request, plural: str, ns: str, selector: dict[str, str]) -> web.StreamResponse:
+        queue: asyncio.Queue = asyncio.Queue()
+        entry = (plural, ns, selector, queue)
+        self.watchers.append(entry)
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await response.prepare(request)
+        try:
+            timeout = float(request.query.get("timeoutSeconds", "30"))
+            while True:
+                event = await asyncio.wait_for(queue.get(), timeout)
+                await response.write(json.dumps(event).encode() + b"\n")
+        except (TimeoutError, ConnectionResetError):
+            pass
+        finally:
+            self.watchers.remove(entry)
+        return response
+
+    async def delete(self, request: web.Request) -> web.Response:
+        m = request.match_info
+        body = await request.json() if request.can_read_body else {}
+        policy = body.get("propagationPolicy") or request.query.get("propagationPolicy")
+        obj = self.objects.pop((m["plural"], m["ns"], m["name"]), None)
+        if obj is None:
+            return status(404, "NotFound", f'{m["plural"]} "{m["name"]}" not found')
+        self.deletes.append((m["plural"], m["name"], policy))
+        if policy != "Orphan":  # its pods (the test's stand-in for the controllers' ownership: the job label)
+            for key, pod in list(self.objects.items()):
+                if key[0] == "pods" and pod["metadata"].get("labels", {}).get(JOB_LABEL) == obj["metadata"]["labels"].get(JOB_LABEL):
+                    del self.objects[key]
+                    self._notify("pods", "DELETED", pod)
+        self._notify(m["plural"], "DELETED", obj)
+        return web.json_response({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success"})
+
+    async def log(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        return web.Response(text=self.logs.get(name, "")) if name in self.logs else status(404, "NotFound", f'pods "{name}" not found')
+
+
+def _selector(text: str) -> dict[str, str]:
+    return dict(part.split("=", 1) for part in text.split(",") if "=" in part)
+
+
+def _matches(obj: dict[str, Any], selector: dict[str, str]) -> bool:
+    labels = obj.get("metadata", {}).get("labels", {}) or {}
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def serve_in_thread(server: ApiServer):
+    """Serve ``server`` on 127.0.0.1 from a thread of its own (for processes the test starts):
+    (its URL, a function that stops it)."""
+    import threading
+
+    loop = asyncio.new_event_loop()
+    ready: list[str] = []
+
+    async def start() -> web.AppRunner:
+        runner = web.AppRunner(server.app())
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        ready.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")  # type: ignore[union-attr]
+        return runner
+
+    runner = loop.run_until_complete(start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def stop() -> None:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+    return ready[0], stop
+
+
+def kubeconfig(url: str) -> dict[str, Any]:
+    """A kubeconfig (what a KubernetesClusterConfig block holds) for the server at ``url``."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "test", "cluster": {"server": url}}],
+        "users": [{"name": "test", "user": {"token": "test-token"}}],
+        "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test"}}],
+        "current-context": "test",
+    }

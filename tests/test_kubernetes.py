@@ -1,0 +1,503 @@
+"""The `kubernetes` launcher: the manifests it writes, held to the official schemas in strict
+mode (tests/kubernetes_schemas.py), the inventory it reads from nodes and pods, and training runs
+through the real pool against a Kubernetes API server on 127.0.0.1 (tests/kubernetes_cluster.py:
+real HTTP, driven by kubernetes_asyncio; a scripted scheduler, Job/JobSet controllers and kubelet
+that run each pod's command as a local process)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from frenzy_prefect.errors import FrenzyError
+from frenzy_prefect.launch.kubernetes_manifest import (
+    GPU_RESOURCE,
+    JOB_LABEL,
+    RUN_ID_LABEL,
+    KubernetesSettings,
+    KubernetesSubmission,
+    NodePods,
+    check_dns_label,
+    manifests,
+    object_name,
+)
+
+from .kubernetes_schemas import VERSIONS, Invalid, validate, validate_everywhere
+
+pytestmark = pytest.mark.kubernetes
+
+RUN_ID = "0b7c6f0e-8d3c-4a53-9e55-3f1d2c4b5a69"
+
+
+def submission(api: str = "jobset", nodes=(("gpu-a", 2), ("gpu-b", 2)), **settings) -> KubernetesSubmission:
+    fields = {
+        "image": "registry.example.com/frenzy:0.1.0",
+        "namespace": "training",
+        "service_account": "frenzy-trainer",
+        "env": {"AWS_ENDPOINT_URL": "http://minio.storage:9000"},
+        "resources": {"requests": {"cpu": "8", "memory": "64Gi"}, "limits": {"memory": "64Gi"}},
+        "pod_spec": {
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "priorityClassName": "training",
+        },
+        "api": api,
+        "storage_secret": "s3-keys",
+    }
+    s = KubernetesSettings(**(fields | settings))
+    return KubernetesSubmission(
+        settings=s,
+        name=object_name("Adorable Cat!", RUN_ID),
+        flow_run_id=RUN_ID,
+        flow_run_name="Adorable Cat!",
+        nodes=[NodePods(node=n, gpus=g, product="NVIDIA-A10") for n, g in nodes],
+        max_restarts=1,
+        env={"PREFECT_API_URL": "http://prefect.prefect:4200/api", "PREFECT__FLOW_RUN_ID": RUN_ID},
+    )
+
+
+def pods_of(obj: dict) -> list[dict]:
+    """The pod templates of a JobSet or a Job."""
+    if obj["kind"] == "JobSet":
+        return [rj["template"]["spec"]["template"] for rj in obj["spec"]["replicatedJobs"]]
+    return [obj["spec"]["template"]] if obj["kind"] == "Job" else []
+
+
+def container(pod: dict) -> dict:
+    (c,) = pod["spec"]["containers"]
+    return c
+
+
+@pytest.mark.parametrize("api", ["jobset", "job"])
+@pytest.mark.parametrize("nodes", [(("gpu-a", 2),), (("gpu-a", 2), ("gpu-b", 2)), (("gpu-a", 4), ("gpu-b", 4), ("gpu-c", 1))])
+def test_every_manifest_validates_strictly_for_each_kubernetes_version(api, nodes):
+    objects = manifests(submission(api, nodes))
+    assert [o["kind"] for o in objects] == (["JobSet"] if api == "jobset" else ["Service"] + ["Job"] * (1 + (len(nodes) == 3)))
+    for obj in objects:
+        validate_everywhere(obj)
+        assert obj["metadata"]["labels"][RUN_ID_LABEL] == RUN_ID and obj["metadata"]["namespace"] == "training"
+
+
+def test_one_pod_per_node_with_its_gpus_pinned_to_its_node_and_product():
+    (js,) = manifests(submission(nodes=(("gpu-a", 4), ("gpu-b", 4), ("gpu-c", 1))))
+    jobs = js["spec"]["replicatedJobs"]
+    assert [(rj["name"], rj["replicas"], rj["template"]["spec"]["completions"]) for rj in jobs] == [("g0", 1, 2), ("g1", 1, 1)]
+    for rj, hosts, gpus, offset in zip(jobs, (["gpu-a", "gpu-b"], ["gpu-c"]), (4, 1), (0, 2), strict=True):
+        spec = rj["template"]["spec"]
+        assert (spec["completionMode"], spec["parallelism"], spec["backoffLimit"]) == ("Indexed", len(hosts), 0)
+        pod = spec["template"]
+        c = container(pod)
+        assert c["resources"]["requests"][GPU_RESOURCE] == c["resources"]["limits"][GPU_RESOURCE] == gpus
+        assert c["resources"]["requests"]["cpu"] == "8" and pod["spec"]["restartPolicy"] == "Never"
+        (term,) = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        assert term["matchExpressions"] == [
+            {"key": "kubernetes.io/hostname", "operator": "In", "values": hosts},
+            {"key": "nvidia.com/gpu.product", "operator": "In", "values": ["NVIDIA-A10"]},
+        ]
+        (spread,) = pod["spec"]["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert spread == {"labelSelector": {"matchLabels": {JOB_LABEL: js["metadata"]["name"]}}, "topologyKey": "kubernetes.io/hostname"}
+        assert f"--node-rank-offset={offset}" in c["command"] and "--nnodes=3" in c["command"]
+        assert f"--nproc-per-node={gpus}" in c["command"] and "--max-restarts=1" in c["command"]
+        assert pod["spec"]["serviceAccountName"] == "frenzy-trainer" and pod["spec"]["priorityClassName"] == "training"
+    assert js["spec"]["network"] == {"enableDNSHostnames": True, "subdomain": js["metadata"]["name"], "publishNotReadyAddresses": True}
+    assert js["spec"]["ttlSecondsAfterFinished"] == 3600
+
+
+def test_the_rendezvous_is_pod_index_0_by_the_headless_services_dns_name():
+    name = object_name("Adorable Cat!", RUN_ID)
+    assert name == "frenzy-adorable-cat-0b7c6f0e"
+    (js,) = manifests(submission("jobset"))
+    assert f"--master-addr={name}-g0-0-0.{name}" in container(pods_of(js)[0])["command"]
+    svc, job = manifests(submission("job"))
+    assert svc["spec"] == {"clusterIP": "None", "selector": {JOB_LABEL: name}, "publishNotReadyAddresses": True}
+    assert job["metadata"]["name"] == f"{name}-g0" and job["spec"]["template"]["spec"]["subdomain"] == name
+    assert f"--master-addr={name}-g0-0.{name}" in container(job["spec"]["template"])["command"]
+    assert job["spec"]["ttlSecondsAfterFinished"] == 3600
+    env = {e["name"]: e.get("value") for e in container(job["spec"]["template"])["env"]}
+    assert env["PET_MASTER_PORT"] == "29500"
+
+
+def test_s3_keys_reach_the_pods_only_by_secret_reference():
+    (js,) = manifests(submission())
+    env = container(pods_of(js)[0])["env"]
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in env if "valueFrom" in e}
+    assert refs["AWS_ACCESS_KEY_ID"] == {"name": "s3-keys", "key": "AWS_ACCESS_KEY_ID"}
+    assert refs["AWS_SECRET_ACCESS_KEY"] == {"name": "s3-keys", "key": "AWS_SECRET_ACCESS_KEY"}
+    assert refs["AWS_SESSION_TOKEN"]["optional"] is True
+    assert all("valueFrom" in e for e in env if e["name"].startswith("AWS_") and e["name"] != "AWS_ENDPOINT_URL")
+    leaky = submission().model_copy(update={"env": {"AWS_SECRET_ACCESS_KEY": "hunter2"}})
+    with pytest.raises(FrenzyError, match="AWS_SECRET_ACCESS_KEY would be a plain value .*storage_secret") as caught:
+        manifests(leaky)
+    assert "hunter2" not in str(caught.value)
+
+
+def test_names_and_owned_pod_fields_are_checked():
+    long_name = object_name("x" * 200, RUN_ID)
+    assert len(long_name) <= 40 and long_name.endswith("-0b7c6f0e")
+    for bad in ("Upper", "-dash", "a" * 64, "under_score", ""):
+        with pytest.raises(FrenzyError, match="is not a DNS-1123 label"):
+            check_dns_label(bad, "name")
+    with pytest.raises(FrenzyError, match="namespace 'Team_A' is not a DNS-1123 label"):
+        manifests(submission(namespace="Team_A"))
+    with pytest.raises(FrenzyError, match="pod_spec sets containers, restartPolicy, which the launcher writes"):
+        s = submission()
+        manifests(
+            s.model_copy(update={"settings": s.settings.model_copy(update={"pod_spec": {"containers": [], "restartPolicy": "Always"}})})
+        )
+    with pytest.raises(FrenzyError, match="resources name nvidia.com/gpu"):
+        manifests(submission(resources={"limits": {GPU_RESOURCE: 8}}))
+
+
+def test_the_validator_catches_an_unknown_field_a_wrong_type_and_a_gpu_request_unlike_its_limit():
+    """The negative test: each of these the strict check refuses, in a JobSet and a Job."""
+    (js,) = manifests(submission())
+    svc, job = manifests(submission("job"))
+
+    def broken(obj: dict, change) -> dict:
+        out = copy.deepcopy(obj)
+        change(out)
+        return out
+
+    jobset_spec = lambda o: o["spec"]["replicatedJobs"][0]["template"]["spec"]  # noqa: E731
+    cases = {
+        "unknown JobSet field": broken(js, lambda o: o["spec"].update(replicatedJob=[])),
+        "unknown field deep in a JobSet's pod": broken(js, lambda o: container(jobset_spec(o)["template"]).update(resourcez={})),
+        "wrong type in a JobSet": broken(js, lambda o: o["spec"]["replicatedJobs"][0].update(replicas="2")),
+        "wrong type in a JobSet's job": broken(js, lambda o: jobset_spec(o).update(completions="two")),
+        "typo in JobSet metadata": broken(js, lambda o: o["metadata"].update(label={})),
+        "GPU request != limit in a JobSet": broken(
+            js, lambda o: container(jobset_spec(o)["template"])["resources"]["requests"].update({GPU_RESOURCE: 1})
+        ),
+        "unknown Job field": broken(job, lambda o: o["spec"].update(completion=2)),
+        "wrong type in a Job": broken(job, lambda o: o["spec"].update(parallelism="two")),
+        "GPU request != limit in a Job": broken(
+            job, lambda o: container(o["spec"]["template"])["resources"]["limits"].update({GPU_RESOURCE: 4})
+        ),
+        "restartPolicy Always in a Job": broken(job, lambda o: o["spec"]["template"]["spec"].update(restartPolicy="Always")),
+        "a name too long": broken(job, lambda o: o["metadata"].update(name="j" * 64)),
+        "unknown Service field": broken(svc, lambda o: o["spec"].update(clusterIp="None")),
+    }
+    for what, obj in cases.items():
+        for version in VERSIONS:
+            with pytest.raises(Invalid):
+                validate(obj, version)
+                pytest.fail(f"{what} passed the strict check for Kubernetes {version}")
+
+
+# The inventory: nodes' allocatable GPUs and labels, what running pods hold.
+
+
+def kube_node(name: str, gpus: int, product: str | None, memory: int | None = None, ready: bool = True, cordoned: bool = False) -> dict:
+    labels = {"kubernetes.io/hostname": name}
+    if product:
+        labels["nvidia.com/gpu.product"] = product
+    if memory:
+        labels["nvidia.com/gpu.memory"] = str(memory)
+    return {
+        "metadata": {"name": name, "labels": labels},
+        "spec": {"unschedulable": True} if cordoned else {},
+        "status": {"allocatable": {"cpu": "64", "nvidia.com/gpu": str(gpus)}, "conditions": [{"type": "Ready", "status": str(ready)}]},
+    }
+
+
+def kube_pod(node: str, gpus: int, phase: str = "Running", limit_only: bool = False) -> dict:
+    res = {"limits": {"nvidia.com/gpu": gpus}} if limit_only else {"requests": {"nvidia.com/gpu": gpus}, "limits": {"nvidia.com/gpu": gpus}}
+    return {"spec": {"nodeName": node, "containers": [{"name": "c", "resources": res}, {"name": "sidecar"}]}, "status": {"phase": phase}}
+
+
+def test_gpu_products_map_to_the_catalog_by_model_and_memory():
+    from frenzy_prefect.launch.kubernetes_inventory import catalog_product
+    from frenzy_prefect.spec.catalog import GPU_CATALOG
+
+    expected = {
+        ("NVIDIA-A10", None): "A10",
+        ("Tesla-T4", None): "T4",
+        ("NVIDIA-A100-SXM4-80GB", 81920): "A100-80GB",
+        ("NVIDIA-A100-PCIE-40GB", 40960): "A100-40GB",
+        ("NVIDIA-A100-SXM4", 40960): "A100-40GB",  # the model alone, the memory label decides
+        ("NVIDIA-H100-80GB-HBM3", 81559): "H100",
+        ("NVIDIA-GeForce-RTX-4090", None): "RTX-4090",
+        ("Tesla-V100-SXM2-16GB", None): "V100-16GB",
+    }
+    assert {k: catalog_product(*k, GPU_CATALOG) for k in expected} == expected
+    assert catalog_product("AMD-Instinct-MI300X", None, GPU_CATALOG) is None
+    assert catalog_product("NVIDIA-A100-SXM4", None, GPU_CATALOG) is None  # 40 or 80 GB: not guessed
+
+
+def test_discovery_reads_allocatable_gpus_and_refuses_unknown_products_naming_them():
+    from frenzy_prefect.launch.kubernetes_inventory import cluster_from_kubernetes, node_of
+
+    nodes = [
+        node_of(n)
+        for n in (kube_node("a1", 4, "NVIDIA-A10"), kube_node("h1", 8, "NVIDIA-H100-80GB-HBM3", 81559), kube_node("cpu", 0, None))
+    ]
+    spec = cluster_from_kubernetes(nodes, "k8s")
+    assert [(n.name, n.gpu_type, n.gpu_count) for n in spec.nodes] == [("a1", "A10", 4), ("h1", "H100", 8)]
+    with pytest.raises(FrenzyError, match=r"GPU product\(s\) AMD-Instinct-MI300X match no known GPU type .*--gpu-types"):
+        cluster_from_kubernetes([node_of(kube_node("m1", 8, "AMD-Instinct-MI300X"))], "k8s")
+    with pytest.raises(FrenzyError, match="GPU nodes x1 have no nvidia.com/gpu.product label"):
+        cluster_from_kubernetes([node_of(kube_node("x1", 2, None))], "k8s")
+    with pytest.raises(FrenzyError, match="no Kubernetes node has allocatable nvidia.com/gpu"):
+        cluster_from_kubernetes([node_of(kube_node("cpu", 0, None))], "k8s")
+
+
+def test_free_gpus_are_allocatable_minus_running_pods_requests_whoever_owns_them():
+    from frenzy_prefect.launch.kubernetes_inventory import free_counts, node_of
+    from frenzy_prefect.launch.slurm_inventory import narrow_to_slurm
+
+    nodes = [
+        node_of(n)
+        for n in (kube_node("a1", 4, "NVIDIA-A10"), kube_node("a2", 4, "NVIDIA-A10"), kube_node("a3", 4, "NVIDIA-A10", cordoned=True))
+    ]
+    pods = [kube_pod("a1", 1), kube_pod("a1", 2, limit_only=True), kube_pod("a2", 4, phase="Succeeded"), kube_pod("a2", 1, phase="Pending")]
+    counts = free_counts(nodes, pods)
+    assert counts == {"a1": 1, "a2": 3, "a3": 0}
+    assert narrow_to_slurm({"a1": [0, 1, 2, 3], "a2": [2, 3], "a3": [0]}, counts) == {"a1": [0], "a2": [2, 3], "a3": []}
+
+
+# The watcher's reading of pods (statuses as the kubelet reports them).
+
+
+def failed_pod(**status) -> dict:
+    return {"metadata": {"name": "frenzy-x-g0-1-abcde"}, "spec": {"nodeName": "gpu-b"}, "status": {"phase": "Failed", **status}}
+
+
+def test_a_failed_pod_is_named_with_its_node_reason_and_rank():
+    from frenzy_prefect.launch.failure import describe
+    from frenzy_prefect.launch.kubernetes import failure_report, pod_problem
+
+    oom = failed_pod(containerStatuses=[{"name": "trainer", "state": {"terminated": {"reason": "OOMKilled", "exitCode": 137}}}])
+    assert describe("?", failure_report(oom, pod_problem(oom))) == "pod frenzy-x-g0-1-abcde on gpu-b failed (OOMKilled, exit code 137)"
+    message = '{"rank": 3, "local_rank": 1, "pid": 4242, "exitcode": -9, "attempt": 0}'
+    killed = failed_pod(containerStatuses=[{"state": {"terminated": {"reason": "Error", "exitCode": 1, "message": message}}}])
+    report = failure_report(killed, pod_problem(killed))
+    assert report["rank"] == 3
+    assert describe("?", report) == "pod frenzy-x-g0-1-abcde (rank 3, pid 4242 was killed by SIGKILL) on gpu-b failed (Error, exit code 1)"
+    evicted = failed_pod(reason="Evicted", message="The node was low on resource: memory.")
+    assert pod_problem(evicted) == "failed (Evicted: The node was low on resource: memory.)"
+    pulling = {
+        "status": {
+            "phase": "Pending",
+            "containerStatuses": [{"state": {"waiting": {"reason": "ImagePullBackOff", "message": "no such image"}}}],
+        }
+    }
+    assert pod_problem(pulling) == "cannot start (ImagePullBackOff: no such image)"
+    assert pod_problem({"status": {"phase": "Running"}}) is None
+
+
+# The watcher against the test API server, over real HTTP (kubernetes_asyncio). The test plays
+# the JobSet controller and the kubelet: it makes each pod from the JobSet's template and sets
+# its phase, as they would (no process runs in these pods).
+
+
+def pod_from(js: dict, group: int, index: int, node: str, phase: str, **state) -> dict:
+    template = js["spec"]["replicatedJobs"][group]["template"]["spec"]["template"]
+    name = f"{js['metadata']['name']}-g{group}-0-{index}"
+    c = container(template)
+    statuses = [
+        {"name": c["name"], "image": c["image"], "imageID": "", "ready": phase == "Running", "restartCount": 0, "state": state or {}}
+    ]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": f"{name}-x{index}", "namespace": js["metadata"]["namespace"], "labels": template["metadata"]["labels"]},
+        "spec": {**copy.deepcopy(template["spec"]), "nodeName": node, "hostname": name},
+        "status": {"phase": phase, "containerStatuses": statuses},
+    }
+
+
+async def until(check, timeout_s: float = 30.0):
+    import asyncio
+
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not (found := check()):
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+    return found
+
+
+def run_watcher(sub, script, jobset_served: bool = True):
+    """The watcher on ``sub`` against a fresh test API server; ``script(server, jobset)`` plays
+    the cluster once the run's objects exist. (exit code, the server, the watcher's lines)."""
+    import asyncio
+    import contextlib
+    import io
+
+    from aiohttp.test_utils import TestServer
+
+    from frenzy_prefect.launch.kubernetes import Watcher
+
+    from .kubernetes_api import ApiServer, kubeconfig
+
+    async def scenario():
+        server = ApiServer(namespaces=("training",), jobset=jobset_served)
+        async with TestServer(server.app(), host="127.0.0.1") as http:
+            watcher = Watcher(sub, kubeconfig(str(http.make_url("")).rstrip("/")), None)
+            task = asyncio.ensure_future(watcher.run())
+            kind = "jobsets" if jobset_served else "jobs"
+            name = sub.name if jobset_served else f"{sub.name}-g0"
+            obj = await until(lambda: server.objects.get((kind, "training", name)) or (task.done() and task.result() and {}))
+            if obj:
+                await until(lambda: server.watchers)  # (the server replays nothing: the watch is open before the pods change)
+                await script(server, obj, watcher)
+            return await asyncio.wait_for(task, 30), server
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code, server = asyncio.run(scenario())
+    return code, server, out.getvalue().splitlines()
+
+
+def test_the_watcher_creates_the_jobset_follows_its_pods_and_ends_when_all_succeed(tmp_path, monkeypatch):
+    from frenzy_prefect.launch.failure import FAILURE_FILE_ENV
+
+    monkeypatch.setenv(FAILURE_FILE_ENV, str(tmp_path / "failure.json"))
+
+    async def cluster(server, js, _watcher):
+        pods = [pod_from(js, 0, i, node, "Pending") for i, node in enumerate(("gpu-a", "gpu-b"))]
+        for pod in pods:
+            server.logs[pod["metadata"]["name"]] = f"frenzy-kubernetes: pod {pod['spec']['hostname']} is node rank 0\n"
+            server.put("pods", pod, "ADDED")
+        for phase, state in (("Running", {"running": {}}), ("Succeeded", {"terminated": {"reason": "Completed", "exitCode": 0}})):
+            for pod in pods:
+                pod = copy.deepcopy(pod)
+                pod["status"] = {
+                    **pod["status"],
+                    "phase": phase,
+                    "containerStatuses": [{**pod["status"]["containerStatuses"][0], "state": state}],
+                }
+                server.put("pods", pod)
+
+    sub = submission()
+    code, server, lines = run_watcher(sub, cluster)
+    assert code == 0, lines
+    assert lines[0] == f"Submitted Kubernetes JobSet {sub.name} in namespace training on gpu-a x2, gpu-b x2"
+    assert f"Pod {sub.name}-g0-0-0-x0 on gpu-a: Running" in lines and f"Pod {sub.name}-g0-0-1-x1 on gpu-b: Succeeded (Completed)" in lines
+    assert any(line.startswith(f"[{sub.name}-g0-0-0-x0] frenzy-kubernetes: pod") for line in lines), lines
+    assert lines[-1] == f"Every pod of {sub.name} Succeeded" and server.deletes == []
+
+
+def test_a_killed_pod_fails_the_run_naming_pod_node_and_rank_and_its_jobset_is_deleted_foreground(tmp_path, monkeypatch):
+    from frenzy_prefect.launch.failure import FAILURE_FILE_ENV, describe, read_report
+
+    monkeypatch.setenv(FAILURE_FILE_ENV, str(tmp_path / "failure.json"))
+    message = '{"rank": 2, "local_rank": 0, "pid": 77, "exitcode": -9, "attempt": 0}'
+
+    async def cluster(server, js, _watcher):
+        pods = [pod_from(js, 0, i, node, "Running", running={}) for i, node in enumerate(("gpu-a", "gpu-b"))]
+        for pod in pods:
+            server.put("pods", pod, "ADDED")
+        dead = copy.deepcopy(pods[1])
+        dead["status"]["phase"] = "Failed"
+        dead["status"]["containerStatuses"][0]["state"] = {"terminated": {"reason": "Error", "exitCode": 137, "message": message}}
+        server.put("pods", dead)
+
+    sub = submission()
+    code, server, lines = run_watcher(sub, cluster)
+    assert code == 1
+    expected = f"pod {sub.name}-g0-0-1-x1 (rank 2, pid 77 was killed by SIGKILL) on gpu-b failed (Error, was killed by SIGKILL)"
+    assert describe("?", read_report(str(tmp_path / "failure.json"))) == expected
+    assert server.deletes == [("jobsets", sub.name, "Foreground")]
+    assert not [k for k in server.objects if k[0] == "pods"]  # its pods went with it
+
+
+def test_cancelling_deletes_the_indexed_jobs_and_service_where_jobset_is_not_served(tmp_path, monkeypatch):
+    from frenzy_prefect.launch.failure import FAILURE_FILE_ENV
+
+    monkeypatch.setenv(FAILURE_FILE_ENV, str(tmp_path / "failure.json"))
+
+    async def cluster(server, job, watcher):
+        server.put("pods", {**pod_from_job(job, "gpu-a")}, "ADDED")
+        await until(lambda: any("Running" in s for s in watcher.said.values()))
+        watcher.cancelled.set()
+
+    sub = submission(api="auto")
+    code, server, lines = run_watcher(sub, cluster, jobset_served=False)
+    assert code == 143, lines
+    assert lines[0] == f"Submitted Kubernetes Service and Job {sub.name} in namespace training on gpu-a x2, gpu-b x2"
+    assert server.deletes == [("jobs", f"{sub.name}-g0", "Foreground"), ("services", sub.name, "Foreground")]
+
+
+def pod_from_job(job: dict, node: str) -> dict:
+    template = job["spec"]["template"]
+    c = container(template)
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": f"{job['metadata']['name']}-0-abc", "namespace": "training", "labels": template["metadata"]["labels"]},
+        "spec": {**copy.deepcopy(template["spec"]), "nodeName": node},
+        "status": {
+            "phase": "Running",
+            "containerStatuses": [
+                {"name": c["name"], "image": c["image"], "imageID": "", "ready": True, "restartCount": 0, "state": {"running": {}}}
+            ],
+        },
+    }
+
+
+def test_the_api_server_answers_invalid_and_already_exists_as_the_real_one_does():
+    import asyncio
+
+    from aiohttp.test_utils import TestServer
+    from kubernetes_asyncio import client
+
+    from frenzy_prefect.launch.kubernetes_client import api_client
+
+    from .kubernetes_api import ApiServer, kubeconfig
+
+    (js,) = manifests(submission())
+    bad = copy.deepcopy(js)
+    bad["spec"]["replicatedJobs"][0]["replicas"] = "2"
+
+    async def scenario():
+        server = ApiServer(namespaces=("training",))
+        async with TestServer(server.app(), host="127.0.0.1") as http, api_client(kubeconfig(str(http.make_url("")).rstrip("/"))) as api:
+            custom = client.CustomObjectsApi(api)
+            answers = []
+            for obj, ns in ((bad, "training"), (js, "nowhere"), (js, "training"), (js, "training")):
+                try:
+                    await custom.create_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", ns, "jobsets", obj)
+                    answers.append(201)
+                except client.ApiException as exc:
+                    answers.append(exc.status)
+            return answers
+
+    assert asyncio.run(scenario()) == [422, 404, 201, 409]
+
+
+def test_discover_kubernetes_reads_the_cluster_through_the_api_as_a_user_runs_it(tmp_path):
+    """`frenzy cluster discover --kubernetes --json` against the test API server (KUBECONFIG):
+    nodes' allocatable GPUs, the free ones beside a pod that is not ours; one line when the API is down."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    from .kubernetes_api import ApiServer, kubeconfig, serve_in_thread
+
+    server = ApiServer()
+    for n in (kube_node("a1", 4, "NVIDIA-A10"), kube_node("h1", 8, "NVIDIA-H100-80GB-HBM3", 81559), kube_node("cpu", 0, None)):
+        server.put("nodes", {"apiVersion": "v1", "kind": "Node", **n}, "ADDED")
+    theirs = kube_pod("a1", 3)
+    theirs |= {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "not-ours", "namespace": "default"}}
+    theirs["spec"]["containers"] = [{**c, "image": "x"} for c in theirs["spec"]["containers"]]
+    server.put("pods", theirs, "ADDED")
+    url, stop = serve_in_thread(server)
+    config = tmp_path / "kubeconfig"
+    config.write_text(yaml.safe_dump(kubeconfig(url)))
+    env = {k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"} | {"KUBECONFIG": str(config)}
+    argv = [sys.executable, "-m", "frenzy_prefect.cli", "cluster", "discover", "--kubernetes", "--json"]
+    try:
+        out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        stop()
+    assert out.returncode == 0, out.stderr
+    found = json.loads(out.stdout)
+    assert [(n["name"], n["gpu_type"], n["gpu_count"]) for n in found["cluster"]["nodes"]] == [("a1", "A10", 4), ("h1", "H100", 8)]
+    assert found["free_gpus"] == {"a1": 1, "h1": 8}
+    down = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)  # the server is stopped now
+    assert (
+        down.returncode != 0 and down.stderr.startswith("error: the Kubernetes API did not answer") and len(down.stderr.splitlines()) == 1
+    )

@@ -1,0 +1,496 @@
+"""Slurm as the cluster's source of truth and the `slurm` launcher.
+
+The parsing runs on `scontrol` output captured from the real test cluster (tests/data/slurm);
+the `slurm` tests run on a real Slurm (tests/slurm_cluster.py): discovery against `sinfo`, and
+training runs through the real pool, a real worker and real ranks under slurmd."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from uuid import UUID
+
+import pytest
+
+from frenzy_prefect.errors import FrenzyError
+from frenzy_prefect.launch.slurm import SlurmSettings, SlurmSubmission, exit_code, job_state, placement, sbatch_argv
+from frenzy_prefect.launch.slurm_inventory import (
+    SlurmNode,
+    cluster_from_slurm,
+    free_counts,
+    narrow_to_slurm,
+    node_of,
+    parse_gres,
+    parse_records,
+    read_nodes,
+)
+from frenzy_prefect.launch.slurm_restart import moved_nodes, replacements
+from frenzy_prefect.spec.catalog import GPU_CATALOG
+
+from .conftest import ROOT
+
+DATA = ROOT / "tests" / "data" / "slurm"
+
+
+def captured_nodes():
+    """n1 with one of two A10s taken, n3 with both H100s taken, n4 drained (captured live)."""
+    return [node_of(r) for r in parse_records((DATA / "show_node_busy.txt").read_text())]
+
+
+def test_typed_gpu_gres_is_parsed_with_its_indices():
+    assert [(g.type, g.count, g.indices) for g in parse_gres("gpu:a10:2(S:0),gpu:h100:1(IDX:0-1,3)")] == [
+        ("a10", 2, ()),
+        ("h100", 1, (0, 1, 3)),
+    ]
+    assert [(g.type, g.count) for g in parse_gres("gpu:2")] == [(None, 2)]
+    assert parse_gres("(null)") == []
+
+
+def test_discovery_maps_slurm_types_to_the_catalog_and_counts_what_is_free_now():
+    nodes = captured_nodes()
+    spec = cluster_from_slurm(nodes, "test")
+    assert [(n.name, n.host, n.gpu_type, n.gpu_count) for n in spec.nodes] == [
+        ("n1", "127.0.0.1", "A10", 2),
+        ("n2", "127.0.0.1", "A10", 2),
+        ("n3", "127.0.0.1", "H100", 2),
+        ("n4", "127.0.0.1", "H100", 2),
+    ]
+    assert free_counts(nodes) == {"n1": 1, "n2": 2, "n3": 0, "n4": 0}  # n4 is drained: no new job goes there
+
+
+def test_a_slurm_gpu_type_the_catalog_lacks_is_refused_naming_it_until_declared():
+    nodes = [node_of({"NodeName": "x1", "Gres": "gpu:mi300x:8", "State": "IDLE"})]
+    with pytest.raises(FrenzyError, match=r"Slurm GPU type\(s\) mi300x match no known GPU type .*--gpu-types"):
+        cluster_from_slurm(nodes, "test")
+    declared = {"mi300x": GPU_CATALOG["H100"].model_copy(update={"name": "mi300x"})}
+    assert cluster_from_slurm(nodes, "test", gpu_types=declared).nodes[0].gpu_type == "mi300x"
+
+
+def test_the_pools_free_gpus_are_cut_to_what_slurm_has_free():
+    free = {"n1": [0, 1], "n2": [1], "n3": [0, 1], "n4": [0, 1], "gone": [0]}
+    assert narrow_to_slurm(free, free_counts(captured_nodes())) == {"n1": [0], "n2": [1], "n3": [], "n4": [], "gone": []}
+
+
+def settings(tmp_path: Path, **kw) -> SlurmSettings:
+    return SlurmSettings(python=sys.executable, working_dir=tmp_path, **kw)
+
+
+def test_a_run_on_like_nodes_is_one_job_and_on_unlike_nodes_a_heterogeneous_one(tmp_path):
+    sub = SlurmSubmission(
+        settings=settings(tmp_path, partition="gpu", time_limit="1:00:00"), job_name="j", comment="c", nodes=[("n1", 2), ("n2", 2)]
+    )
+    argv = sbatch_argv(sub, {"n1": "a10", "n2": "a10"}, tmp_path)
+    assert ":" not in argv and "--no-requeue" in argv
+    assert {"--nodelist=n1,n2", "--nodes=2", "--gres=gpu:a10:2", "--partition=gpu", "--time=1:00:00"} <= set(argv)
+    het = sbatch_argv(sub.model_copy(update={"nodes": [("n1", 2), ("n3", 1)]}), {"n1": "a10", "n3": "h100"}, tmp_path)
+    first, second = " ".join(het).split(" : ")
+    assert "--nodelist=n1" in first and "--gres=gpu:a10:2" in first
+    assert "--nodelist=n3" in second and "--gres=gpu:h100:1" in second and "--partition=gpu" in second
+
+
+def test_a_jobs_state_placement_and_exit_code_are_read_from_scontrol():
+    running = (DATA / "show_job_running.txt").read_text()
+    records = parse_records(running)
+    assert job_state(records) == ("RUNNING", "None")
+    assert placement(running) == ["n1 gpu:a10:1(IDX:0)"]
+    assert job_state(parse_records((DATA / "show_job_pending.txt").read_text()))[0] == "PENDING"
+    het = parse_records((DATA / "show_job_het.txt").read_text())  # a heterogeneous job: one record per component
+    assert [r["HetJobOffset"] for r in het] == ["0", "1"] and job_state(het)[0] == "PENDING"
+    assert exit_code("COMPLETED", records) == 0
+    assert exit_code("FAILED", [{"ExitCode": "3:0"}]) == 3 and exit_code("CANCELLED", [{"ExitCode": "0:15"}]) == 143
+    assert job_state([{"JobState": "RUNNING"}, {"JobState": "NODE_FAIL", "Reason": "NodeDown"}]) == ("NODE_FAIL", "NodeDown")
+
+
+def test_a_failed_node_is_replaced_by_a_like_node_that_takes_jobs_preferring_one_that_has_not_failed():
+    def node(name, state="IDLE", gpu_type="a10", used=0):
+        return SlurmNode(name, f"10.0.0.{name[-1]}", state, ("gpu",), gpu_type, 2, used)
+
+    found = [
+        node("a", "MIXED", used=2),
+        node("b", "DOWN"),
+        node("c", used=1),
+        node("d"),
+        node("e", gpu_type="h100"),
+        node("f", "IDLE+DRAIN"),
+    ]
+    job = [("a", 2), ("b", 2)]
+    moves = replacements(job, ["b"], found, failed_before={"b"})
+    assert {k: v.name for k, v in moves.items()} == {"b": "d"}  # a like node with the most GPUs free; not a (the run's), e, f
+    assert moved_nodes(job, moves) == [("a", 2), ("d", 2)]
+    assert replacements(job, ["b"], found, failed_before={"b", "d"})["b"].name == "c"  # d failed earlier in this run
+    assert replacements(job, ["b"], found[:3], failed_before=set())["b"].name == "c"  # busy in part: the new job waits for it
+    assert replacements(job, ["a", "b"], found[:3] + found[4:], failed_before=set()) is None  # one A10 node left for two
+
+
+# On a real Slurm.
+
+
+@pytest.mark.slurm
+def test_discovery_matches_sinfo(slurm):
+    env = slurm.env
+    out = subprocess.run(
+        [sys.executable, "-m", "frenzy_prefect.cli", "cluster", "discover", "--slurm", "--json"], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    import json
+
+    found = json.loads(out.stdout)
+    sinfo = [line.split("|") for line in slurm.cli("sinfo", "-h", "-N", "-o", "%N|%G").split()]
+    expected = {name: (gres.split(":")[1].upper(), int(gres.split(":")[2].split("(")[0])) for name, gres in sinfo}
+    assert {n["name"]: (n["gpu_type"], n["gpu_count"]) for n in found["cluster"]["nodes"]} == expected
+    assert found["free_gpus"] == dict.fromkeys(expected, 2)
+    bad = subprocess.run(
+        [sys.executable, "-m", "frenzy_prefect.cli", "cluster", "discover", "--slurm", "--partition", "nope"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and bad.stderr.startswith("error: no Slurm node in partition 'nope'") and len(bad.stderr.splitlines()) == 1
+
+
+@pytest.mark.slurm
+def test_a_gpu_held_by_a_job_not_ours_is_not_free(slurm):
+    job = slurm.cli("sbatch", "--parsable", "-o", "/dev/null", "-w", "n2", "--gres=gpu:a10:1", "--wrap", "sleep 60").strip()
+    try:
+        deadline = time.monotonic() + 30
+        while slurm.cli("squeue", "-h", "-j", job, "-o", "%T").strip() != "RUNNING":
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        free = free_counts(read_nodes(slurm.conf))
+        assert free == {"n1": 2, "n2": 1, "n3": 2, "n4": 2}
+    finally:
+        slurm.cli("scancel", job)
+
+
+# Training through the pool on Slurm.
+
+SLURM_POOL = "slurm"
+SLURM_CLUSTER = "slurm-test"
+
+
+@pytest.mark.slurm
+def test_a_slurm_step_sees_only_its_own_gpu_device(slurm):
+    """The test cluster's device cgroups, which keep two runs on one node off each other's GPUs (before
+    this module's runs hold n1)."""
+    dev = slurm.base / "dev"
+    script = f"echo gpu=$SLURM_STEP_GPUS; for i in 0 1; do (: < {dev}/nvidia$i) 2>&1; done; true"
+    out = slurm.cli("srun", "-w", "n1", "--gres=gpu:a10:1", "sh", "-c", script)
+    mine = int(out.split("gpu=")[1].split()[0])
+    assert f"nvidia{1 - mine}: Operation not permitted" in out, out  # another's GPU: the cgroup refuses it
+    assert f"nvidia{mine}: Operation not permitted" not in out, out  # its own: allowed (no driver behind a fake one)
+
+
+@pytest.mark.slurm
+def test_a_mixed_type_run_starts_as_a_heterogeneous_job_one_agent_per_component(slurm, s3, dataset, tmp_path):
+    """Through the launcher alone (the allocator keeps a run on one GPU type): 1 x A10 on n1 and
+    1 x H100 on n3, a dp=2 job whose two ranks rendezvous across the components and train."""
+    import json
+    import os
+
+    from frenzy_prefect.profiling.dataset import profile_dataset
+    from frenzy_prefect.spec.plan import JOB_ENV, ParallelPlan, Placement
+    from frenzy_prefect.storage import open_uri
+
+    from .conftest import BUCKET
+    from .test_training import NANO, make_job
+
+    placements = [Placement(node="n1", host="127.0.0.1", gpus=[0]), Placement(node="n3", host="127.0.0.1", gpus=[0])]
+    job = make_job(
+        profile_dataset(dataset, 64, NANO.vocab_size), f"s3://{BUCKET}/slurm/mixed", ParallelPlan(dp=2, micro_batch=4), placements, steps=3
+    )
+    sub = SlurmSubmission(
+        settings=SlurmSettings(python=sys.executable, working_dir=tmp_path, slurm_conf=slurm.conf),
+        job_name="frenzy-mixed",
+        comment="test",
+        nodes=[("n1", 1), ("n3", 1)],
+    )
+    argv = [sys.executable, "-m", "frenzy_prefect.launch.slurm", sub.model_dump_json()]
+    done = subprocess.run(argv, env={**os.environ, JOB_ENV: job.model_dump_json()}, capture_output=True, text=True, timeout=240)
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0, lines[-30:]
+    (placed,) = [m for m in lines if m.startswith("Slurm placed job ")]
+    assert "n1 gpu:a10:1(IDX:" in placed and "n3 gpu:h100:1(IDX:" in placed, placed  # one record per component
+    assert any(m.startswith("[n1] frenzy-slurm: n1 is node rank 0 with 1 rank(s)") for m in lines), lines
+    assert any(m.startswith("[n3] frenzy-slurm: n3 is node rank 1 with 1 rank(s)") for m in lines), lines
+    with open_uri(job.metrics_uri, "r") as f:
+        metrics = json.load(f)
+    assert metrics["world_size"] == 2 and len(metrics["losses"]) == 3
+
+
+@pytest.fixture(scope="module")
+def slurm_pool(slurm, stack, s3, prefect_api, tmp_path_factory) -> str:
+    """A `frenzy` pool with `launcher: slurm` on the cluster discovered from Slurm, its worker,
+    and the deployments on it."""
+    from .conftest import create_pool, deploy_all
+
+    stack.env["SLURM_CONF"] = str(slurm.conf)
+    stack.run_cli("frenzy_prefect.cli", "cluster", "discover", "--slurm", "--save", SLURM_CLUSTER)
+    work = tmp_path_factory.mktemp("slurm-work")
+    create_pool(stack, SLURM_POOL, SLURM_CLUSTER, launcher="slurm", slurm_conf=str(slurm.conf), working_dir=str(work))
+    stack.start_worker(SLURM_POOL, name="slurm-worker")
+    deploy_all(stack, pool=SLURM_POOL, name=SLURM_POOL)
+    return SLURM_POOL
+
+
+def slurm_training_job(dataset: str, *, cluster=None, **job) -> dict:
+    """A `distributed-train` job on the Slurm cluster's nodes (test_e2e.training_job there)."""
+    from frenzy_prefect.blocks import FrenzyCluster
+
+    from .test_e2e import training_job
+
+    return training_job(dataset, cluster=cluster or FrenzyCluster.load(SLURM_CLUSTER).cluster, **job)
+
+
+def start_run(stack, dataset: str, name: str, *, gpus: int, steps: int, gpu_type: str = "A10", cluster=None, **request) -> UUID:
+    from prefect.deployments import run_deployment
+
+    from .conftest import BUCKET
+
+    with stack.client_settings():
+        output = f"s3://{BUCKET}/slurm/{name}"
+        parameters = slurm_training_job(dataset, gpus=gpus, gpu_type=gpu_type, steps=steps, output=output, cluster=cluster, **request)
+        return run_deployment(f"distributed-train/{SLURM_POOL}", parameters=parameters, timeout=0).id
+
+
+def run_logs(stack, run_id: UUID) -> list[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    with stack.client_settings(), get_client(sync_client=True) as client:
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))
+    return [log.message for log in logs]
+
+
+def wait_for_log(stack, run_id: UUID, prefix: str, timeout_s: float = 240) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    while not any(m.startswith(prefix) for m in run_logs(stack, run_id)):
+        logs = run_logs(stack, run_id)
+        assert time.monotonic() < deadline, f"no log line {prefix!r} in {timeout_s:.0f} s: {logs[-20:]}"
+        time.sleep(1)
+    return run_logs(stack, run_id)
+
+
+@pytest.mark.slurm
+def test_a_2_node_x_2_gpu_run_trains_as_one_slurm_job_on_the_allocators_nodes(slurm, stack, slurm_pool, dataset):
+    from .test_e2e import wait_final
+
+    run_id = start_run(stack, dataset, "two-by-two", gpus=4, steps=6)
+    with stack.client_settings():
+        run = wait_final(run_id, timeout_s=400)
+    assert run.state.is_completed(), (run.state.message, run_logs(stack, run_id)[-30:])
+    job_id = slurm_job_of(stack, run_id)
+    # rank 0 reports Completed before its last log lines are sent; they are sent before it exits, so before the job ends
+    logs = wait_for_log(stack, run_id, f"Slurm job {job_id} ended ", timeout_s=60)
+    (submitted,) = [m for m in logs if m.startswith("Submitted Slurm job ")]
+    assert "on n1 x2, n2 x2" in submitted
+    (placed,) = [m for m in logs if m.startswith(f"Slurm placed job {job_id}: ")]
+    assert placed.endswith("n[1-2] gpu:a10:2(IDX:0-1)"), placed
+    ranks = [m for m in logs if "is node rank" in m]
+    assert len(ranks) == 2 and all("on Slurm's GPUs 0,1" in m for m in ranks), ranks
+    steps = [m for m in logs if m.startswith("step ")]
+    losses = [float(m.split("loss ")[1].split()[0]) for m in steps]
+    assert steps[-1].startswith("step 6/6") and losses[-1] < losses[0]
+    assert f"Slurm job {job_id} ended COMPLETED" in logs
+    shown = slurm.cli("scontrol", "-o", "show", "job", job_id)
+    record = parse_records(shown)[0]
+    assert (record["JobState"], record["NodeList"], record["Requeue"]) == ("COMPLETED", "n[1-2]", "0")
+    assert record["JobName"].startswith("frenzy-") and f"Comment=prefect flow run {run_id} " in shown
+
+
+def slurm_job_of(stack, run_id: UUID, last: bool = False) -> str:
+    """The id of the run's Slurm job (``last``: of its newest, after restarts)."""
+    submitted = [m for m in wait_for_log(stack, run_id, "Submitted Slurm job ") if m.startswith("Submitted Slurm job ")]
+    assert last or len(submitted) == 1, submitted
+    return submitted[-1].split()[3]
+
+
+def placed(stack, run_id: UUID) -> str:
+    """Slurm's placement of the run's job, e.g. ``n1 gpu:a10:1(IDX:0)``."""
+    line = next(m for m in wait_for_log(stack, run_id, "Slurm placed job ") if m.startswith("Slurm placed job "))
+    return line.split(": ", 1)[1]
+
+
+def cancel(stack, run_id: UUID) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelling
+
+    with stack.client_settings(), get_client(sync_client=True) as client:
+        client.set_flow_run_state(run_id, Cancelling(message="cancelled by the test"), force=True)
+
+
+def flow_run(stack, run_id: UUID):
+    from prefect.client.orchestration import get_client
+
+    with stack.client_settings(), get_client(sync_client=True) as client:
+        return client.read_flow_run(run_id)
+
+
+@pytest.fixture(scope="module")
+def two_runs_beside_a_foreign_job(slurm, stack, slurm_pool, dataset):
+    """A job that is not ours holding both of n2's A10s, then two 1-GPU A10 runs, once both
+    ranks train: (run ids, the foreign job's id)."""
+    foreign = slurm.cli("sbatch", "--parsable", "-J", "not-ours", "-o", "/dev/null", "-w", "n2", "--gres=gpu:a10:2", "--wrap", "sleep 900")
+    foreign = foreign.strip()
+    try:
+        runs = [start_run(stack, dataset, f"one-gpu-{i}", gpus=1, steps=100_000) for i in range(2)]
+        for run_id in runs:
+            wait_for_log(stack, run_id, "step ")
+        yield runs, foreign
+        for run_id in runs:
+            cancel(stack, run_id)
+    finally:
+        slurm.cli("scancel", foreign)
+
+
+@pytest.mark.slurm
+def test_two_1_gpu_runs_beside_a_job_not_ours_share_its_node_on_different_gpus(slurm, stack, two_runs_beside_a_foreign_job):
+    runs, foreign = two_runs_beside_a_foreign_job
+    placements = sorted(placed(stack, run_id) for run_id in runs)
+    assert placements == ["n1 gpu:a10:1(IDX:0)", "n1 gpu:a10:1(IDX:1)"]  # n2's GPUs are the other job's
+    assert slurm.cli("squeue", "-h", "-j", foreign, "-o", "%T").strip() == "RUNNING"
+
+
+@pytest.mark.slurm
+def test_cancelling_a_run_scancels_its_job_within_10_s_and_the_run_ends_cancelled(slurm, stack, two_runs_beside_a_foreign_job):
+    from prefect.client.schemas.objects import StateType
+
+    run_id = two_runs_beside_a_foreign_job[0][0]
+    job = slurm_job_of(stack, run_id)
+    asked = time.monotonic()
+    cancel(stack, run_id)
+    while slurm.cli("squeue", "-h", "-j", job, "-t", "RUNNING", "-o", "%i").strip():
+        assert time.monotonic() - asked < 10, "the Slurm job still runs 10 s after the cancellation"
+        time.sleep(0.2)
+    while flow_run(stack, run_id).state.type != StateType.CANCELLED:
+        assert time.monotonic() - asked < 30, flow_run(stack, run_id).state
+        time.sleep(0.5)
+    state = parse_records(slurm.cli("scontrol", "-o", "show", "job", job))[0]["JobState"]
+    assert state in ("CANCELLED", "COMPLETING"), state
+
+
+@pytest.mark.slurm
+def test_a_node_that_fails_crashes_the_run_naming_the_node(slurm, stack, slurm_pool, dataset):
+    run_id = start_run(stack, dataset, "node-fails", gpus=2, steps=100_000, gpu_type="H100")  # the A10s may be busy
+    wait_for_log(stack, run_id, "step ")
+    node = placed(stack, run_id).split()[0]
+    try:
+        slurm.cli("scontrol", "update", f"nodename={node}", "state=down", "reason=frenzy-test")
+        downed, expected = time.monotonic(), f"Slurm job {slurm_job_of(stack, run_id)} on {node} ended NODE_FAIL: node {node} failed"
+        # rank 0 may report the run Crashed by its SIGTERM first; the worker names the cause once the job has ended
+        while not ((state := flow_run(stack, run_id).state).is_crashed() and state.message == expected):
+            assert time.monotonic() - downed < 90, (state, run_logs(stack, run_id)[-10:])
+            time.sleep(1)
+    finally:
+        slurm.cli("scontrol", "update", f"nodename={node}", "state=resume", check=False)
+        slurm.wait_idle(nodes=(node,))  # the other nodes may still hold this module's other jobs
+
+
+def job_of_run(stack, run_id: UUID):
+    from frenzy_prefect.spec.plan import TrainingJob
+
+    return TrainingJob.model_validate(flow_run(stack, run_id).parameters["job"])
+
+
+@pytest.mark.slurm
+def test_with_max_restarts_a_run_whose_node_fails_resumes_from_its_last_checkpoint_on_another_node(slurm, stack, slurm_pool, dataset):
+    from frenzy_prefect.training.manifest import complete_checkpoints, step_uri
+
+    from .test_e2e import wait_final
+    from .test_resume import assert_resumed_after, files_of
+
+    steps = 12  # every checkpoint kept: the one resumed from is checked untouched
+    run_id = start_run(
+        stack, dataset, "node-restarts", gpus=2, steps=steps, gpu_type="H100", max_restarts=1, checkpoint_every=2, keep_checkpoints=steps
+    )
+    job, first = job_of_run(stack, run_id), slurm_job_of(stack, run_id)
+    node = placed(stack, run_id).split()[0]
+    other = {"n3": "n4", "n4": "n3"}[node]
+    deadline = time.monotonic() + 240
+    while not complete_checkpoints(job.checkpoint_uri):
+        assert time.monotonic() < deadline, run_logs(stack, run_id)[-10:]
+        time.sleep(0.5)
+    try:
+        slurm.cli("scontrol", "update", f"nodename={node}", "state=down", "reason=frenzy-test")
+        said = wait_for_log(stack, run_id, f"node {node} failed; restarting from step ", timeout_s=90)
+        restart = next(m for m in said if m.startswith(f"node {node} failed; restarting from step "))
+        step = int(restart.split("restarting from step ")[1].split()[0])
+        kept = files_of(step_uri(job.checkpoint_uri, step))  # the old job's ranks are gone, the new job not yet started
+        assert restart.endswith(f" on {other} (0 restart(s) left)"), restart
+        with stack.client_settings():
+            run = wait_final(run_id, timeout_s=300)
+    finally:
+        slurm.cli("scontrol", "update", f"nodename={node}", "state=resume", check=False)
+        slurm.wait_idle(nodes=(node,))
+    assert run.state.is_completed(), (run.state.message, run_logs(stack, run_id)[-20:])
+    second = slurm_job_of(stack, run_id, last=True)
+    logs = wait_for_log(stack, run_id, f"Slurm job {second} ended COMPLETED", timeout_s=60)
+    assert f"Slurm job {first} ended NODE_FAIL" in logs and second != first
+    assert next(m for m in logs if m.startswith(f"Submitted Slurm job {second} ")).endswith(f"on {other} x2")
+    assert 2 <= step < steps
+    assert_resumed_after(job, step, kept)
+
+
+@pytest.mark.slurm
+def test_a_run_slurm_can_never_hold_is_refused_at_once_in_one_line(stack, slurm_pool, dataset):
+    from frenzy_prefect.blocks import FrenzyCluster
+    from frenzy_prefect.spec.cluster import ClusterSpec, Node
+
+    from .test_e2e import wait_final
+
+    with stack.client_settings():
+        spec = FrenzyCluster.load(SLURM_CLUSTER).cluster
+    cluster = ClusterSpec.model_validate(
+        {
+            **spec.model_dump(),
+            "nodes": [*spec.model_dump()["nodes"], Node(name="t4-box", host="127.0.0.1", gpu_type="T4", gpu_count=2).model_dump()],
+        }
+    )
+    asked = time.monotonic()
+    run_id = start_run(stack, dataset, "never", gpus=2, steps=5, gpu_type="T4", cluster=cluster)
+    with stack.client_settings():
+        run = wait_final(run_id, timeout_s=120)
+    assert not run.state.is_completed() and "the run needs 2 x T4 but Slurm has 0" in run.state.message, run.state
+    assert "not Slurm nodes: t4-box" in run.state.message and "\n" not in run.state.message
+    assert time.monotonic() - asked < 60
+
+
+@pytest.mark.slurm
+def test_a_worker_killed_with_9_leaves_no_slurm_job_running(slurm, stack, slurm_pool, dataset):
+    """Its watcher dies with it (orphan_guard's SIGTERM), cancelling the job on the way: no job
+    runs on without a worker supervising it."""
+    run_id = start_run(stack, dataset, "worker-killed", gpus=1, steps=100_000, gpu_type="H100")
+    wait_for_log(stack, run_id, "step ")
+    job = slurm_job_of(stack, run_id)
+    worker = stack.processes["slurm-worker"]
+    worker.kill()
+    worker.wait()
+    killed = time.monotonic()
+    try:
+        while slurm.cli("squeue", "-h", "-j", job, "-t", "RUNNING", "-o", "%i").strip():
+            assert time.monotonic() - killed < 15, "the Slurm job still runs 15 s after its worker was killed"
+            time.sleep(0.2)
+    finally:
+        stack.start_worker(SLURM_POOL, name="slurm-worker")
+
+
+@pytest.mark.slurm
+def test_a_run_slurm_holds_back_waits_as_a_pending_job_its_reason_in_its_log_and_labels(slurm, stack, slurm_pool, dataset):
+    from .test_e2e import wait_final
+
+    slurm.cli("scontrol", "update", "partitionname=gpu", "state=down")  # jobs are queued, none starts
+    try:
+        run_id = start_run(stack, dataset, "held-back", gpus=1, steps=3, gpu_type="H100")
+        job = slurm_job_of(stack, run_id)
+        wait_for_log(stack, run_id, f"Slurm job {job} pending: PartitionDown", timeout_s=60)
+        deadline = time.monotonic() + 30
+        while (labels := flow_run(stack, run_id).labels).get("frenzy.slurm-pending") != "PartitionDown":
+            assert time.monotonic() < deadline, labels
+            time.sleep(0.5)
+        assert labels["frenzy.slurm-job"] == job
+    finally:
+        slurm.cli("scontrol", "update", "partitionname=gpu", "state=up")
+    with stack.client_settings():
+        assert wait_final(run_id, timeout_s=300).state.is_completed()
+    assert flow_run(stack, run_id).labels["frenzy.slurm-pending"] == ""
