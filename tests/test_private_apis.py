@@ -100,6 +100,32 @@ def test_pipelining_split_backward_gives_one_full_backwards_gradients():
         assert all(torch.allclose(p.grad, e) for p, e in zip(stage.parameters(), expected, strict=True))
 
 
+def test_torchruns_failures_are_what_the_agents_account_reads_and_a_signal_is_the_root_cause(tmp_path):
+    """launch.agent wraps SubprocessContext.close and reads its ``_failures`` and ``envs``. Rank 0
+    whose collective failed when rank 1 was killed leaves an error file stamped (whole seconds)
+    before torchrun's poll saw rank 1 gone: the account names rank 1, the one killed by a signal."""
+    import inspect
+    import json
+    import time
+
+    with relying_on("torch.distributed.elastic SubprocessContext.close/_failures/envs and ProcessFailure", "torch"):
+        from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+        from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+        from frenzy_prefect.launch.agent import root_cause
+
+        source = inspect.getsource(SubprocessContext)
+        assert callable(SubprocessContext.close) and "self._failures[" in source and "self.envs" in inspect.getsource(SubprocessContext.__mro__[1])
+        error_file = tmp_path / "error.json"
+        stamp = str(int(time.time()) - 1)
+        error_file.write_text(json.dumps({"message": {"message": "RuntimeError: Connection closed by peer", "extraInfo": {"py_callstack": "", "timestamp": stamp}}}))
+        peer = ProcessFailure(local_rank=0, pid=100, exitcode=1, error_file=str(error_file))
+        killed = ProcessFailure(local_rank=1, pid=101, exitcode=-9, error_file=str(tmp_path / "absent.json"))
+    assert peer.timestamp < killed.timestamp  # torchrun's own root cause (the smallest timestamp) would be rank 0
+    assert root_cause([peer, killed]) is killed
+    assert root_cause([peer]) is peer
+
+
 def test_graph_task_id_tells_a_backward_pass_from_a_forward():
     with relying_on("torch._C._current_graph_task_id", "torch"):
         from frenzy_prefect.torch_private import in_backward

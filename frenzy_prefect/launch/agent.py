@@ -31,6 +31,16 @@ def _heartbeats_store() -> tuple[str, int] | None:
     return host, int(os.environ[MASTER_PORT_ENV])
 
 
+def root_cause(failures: list) -> object:
+    """The failure that stopped the ranks, of those torchrun's one poll found: the earliest rank
+    killed by a signal, else the earliest. Its timestamps are whole seconds, and a rank whose
+    peer was killed fails its next collective and exits with an error (rank 0 after waiting for
+    this account: rank_deaths), so on a loaded host the consequence can share the poll and the
+    second with its cause, or carry the earlier second in its error file; a signal is never a
+    peer's consequence before torchrun itself stops the ranks."""
+    return min(failures, key=lambda f: (f.exitcode >= 0, f.timestamp))
+
+
 def _reporting_failures(context_class: type) -> None:
     """Have torchrun write its first failed rank's account before it stops the other ranks. The
     rank's process context stops them (``close``) the moment its poll sees a rank fail, inside
@@ -40,7 +50,7 @@ def _reporting_failures(context_class: type) -> None:
 
     def report_then_close(context, *args, **kwargs):
         if context._failures:  # (else all ranks ended well, or torchrun itself is being stopped)
-            failure = min(context._failures.values(), key=lambda f: f.timestamp)
+            failure = root_cause(list(context._failures.values()))
             env = context.envs[failure.local_rank]  # what the agent started the rank with
             write_report(
                 {
