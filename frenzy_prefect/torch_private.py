@@ -14,22 +14,23 @@ next minor release for that reason).
 - MemTracker (``_tools.mem_tracker``) and the internals ``StepTracker`` drives: per-category
   storage accounting, over whole steps, with ``torch._C._current_graph_task_id`` telling a
   backward pass from a forward without module hooks.
+
+pipelining and MemTracker are imported at first use: each imports torch._dynamo (about 1.3 s of a
+process's start on our cores), which a training rank whose plan never splits B from W, and every
+rank that does not measure, would otherwise pay at every start and restart.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-from torch.distributed._tools.mem_tracker import MemTracker
-from torch.distributed._tools.mem_tracker import _MemRefType as MemRefType
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-__all__ = [
+__all__ = [  # and, through __getattr__, StepTracker and MemRefType
     "FsspecReader",
     "FsspecWriter",
-    "MemRefType",
-    "StepTracker",
     "flatten_state_dict",
     "in_backward",
     "stage_backward_input",
@@ -66,25 +67,54 @@ class _InBackward:
         pass
 
 
-class StepTracker(MemTracker):
-    """MemTracker's storage accounting (every tensor storage created in its context, by category)
-    over whole training steps. Gradients are categorised through hooks on ``modules``' parameters."""
+def stage_backward_input(*args: Any, **kwargs: Any) -> Any:
+    """pipelining's B: the stage input's gradient only, keeping what W needs."""
+    from torch.distributed.pipelining._backward import stage_backward_input as backward_input
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._mod_tracker = _InBackward()
+    return backward_input(*args, **kwargs)
 
-    def track_modules(self, *modules: torch.nn.Module) -> None:
-        """Categorise these modules' parameters, and (through hooks) their gradients."""
-        for module in modules:
-            self._track_module_params_and_buffers(module, install_grad_hooks=True)
 
-    def categorise(self, tensors, reftype: MemRefType) -> None:
-        """Count these tensors' storage under ``reftype`` from now on."""
-        for t in tensors:
-            self._update_and_maybe_create_winfos(t, reftype)
+def stage_backward_weight(*args: Any, **kwargs: Any) -> Any:
+    """pipelining's W: the weight gradients B left to compute."""
+    from torch.distributed.pipelining._backward import stage_backward_weight as backward_weight
 
-    def restart_peak(self) -> None:
-        """Forget the peak so far (building the model is not training)."""
-        self._peak_mem = {dev: snap["Total"] for dev, snap in self._curr_mem_snap.items()}
-        self._peak_mem_snap = self.get_tracker_snapshot()
+    return backward_weight(*args, **kwargs)
+
+
+def __getattr__(name: str) -> Any:
+    """``StepTracker`` and ``MemRefType``, defined at first use (MemTracker's import is the heavy one)."""
+    if name not in ("StepTracker", "MemRefType"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals().update(_memory_tracking())
+    return globals()[name]
+
+
+def _memory_tracking() -> dict[str, Any]:
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed._tools.mem_tracker import _MemRefType as MemRefType
+
+    class StepTracker(MemTracker):
+        """MemTracker's storage accounting (every tensor storage created in its context, by category)
+        over whole training steps. Gradients are categorised through hooks on ``modules``' parameters."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self._mod_tracker = _InBackward()
+
+        def track_modules(self, *modules: torch.nn.Module) -> None:
+            """Categorise these modules' parameters, and (through hooks) their gradients."""
+            for module in modules:
+                self._track_module_params_and_buffers(module, install_grad_hooks=True)
+
+        def categorise(self, tensors, reftype: MemRefType) -> None:
+            """Count these tensors' storage under ``reftype`` from now on."""
+            for t in tensors:
+                self._update_and_maybe_create_winfos(t, reftype)
+
+        def restart_peak(self) -> None:
+            """Forget the peak so far (building the model is not training)."""
+            self._peak_mem = {dev: snap["Total"] for dev, snap in self._curr_mem_snap.items()}
+            self._peak_mem_snap = self.get_tracker_snapshot()
+
+    StepTracker.__qualname__ = "StepTracker"  # (defined in here, named as a module-level class)
+    return {"StepTracker": StepTracker, "MemRefType": MemRefType}

@@ -396,3 +396,18 @@ def test_vocab_parallel_plans_train_the_same_model_as_one_rank(plan):
     # same losses as the unsplit model, step after step.
     expected = _replica0_losses(ParallelPlan(micro_batch=2))
     assert _replica0_losses(plan) == pytest.approx(expected, abs=1e-5)
+
+
+def test_a_plain_runs_ranks_start_without_dynamo_scipy_or_deepspeed():
+    """What every rank of a plain run imports at each start (rank 0 the flow, the others the
+    entry): torch._dynamo (which pipelining and MemTracker pull in), SciPy (ReCycle's planners) and
+    DeepSpeed (ZeRO-2) only where a plan uses them, about 2 s of each process's start otherwise."""
+    import subprocess
+
+    check = (
+        "import sys, frenzy_prefect.training.entry, frenzy_prefect.flows.training; "
+        "print(sorted(m for m in ('torch._dynamo', 'scipy', 'deepspeed') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"

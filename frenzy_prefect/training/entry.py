@@ -17,13 +17,15 @@ from frenzy_prefect.training.distributed import DistributedContext, PeerFailed
 from frenzy_prefect.training.resilient.generations import EXCLUDED_EXIT, Excluded
 from frenzy_prefect.training.resilient.liveness import INCARNATION_ENV
 from frenzy_prefect.training.resilient.supervisor import report_event, report_result, supervise
-from frenzy_prefect.training.resilient.trainer import train as train_through_failures
 from frenzy_prefect.training.trainer import train
 
 
 def main() -> None:
     ctx, job = DistributedContext.from_env(), TrainingJob.model_validate_json(os.environ[JOB_ENV])
     if INCARNATION_ENV in os.environ:  # a trainer under its rank's supervisor (resilience "recycle")
+        # (imported here: its planners import SciPy, which a plain run's ranks need not load at every start)
+        from frenzy_prefect.training.resilient.trainer import train as train_through_failures
+
         try:
             report_result(train_through_failures(job, ctx, log=print, notify=report_event))
         except Excluded as exc:
