@@ -398,16 +398,25 @@ def test_vocab_parallel_plans_train_the_same_model_as_one_rank(plan):
     assert _replica0_losses(plan) == pytest.approx(expected, abs=1e-5)
 
 
+def _loaded_after(imports: str, watched: tuple[str, ...]) -> list[str]:
+    """Which of ``watched`` a fresh interpreter has loaded after ``imports``."""
+    import subprocess
+
+    check = f"import sys, {imports}; print(sorted(m for m in {watched!r} if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1].replace("'", '"'))
+
+
 def test_a_plain_runs_ranks_start_without_dynamo_scipy_or_deepspeed():
     """What every rank of a plain run imports at each start (rank 0 the flow, the others the
     entry): torch._dynamo (which pipelining and MemTracker pull in), SciPy (ReCycle's planners) and
     DeepSpeed (ZeRO-2) only where a plan uses them, about 2 s of each process's start otherwise."""
-    import subprocess
+    imports = "frenzy_prefect.training.entry, frenzy_prefect.flows.training"
+    assert _loaded_after(imports, ("torch._dynamo", "scipy", "deepspeed")) == []
 
-    check = (
-        "import sys, frenzy_prefect.training.entry, frenzy_prefect.flows.training; "
-        "print(sorted(m for m in ('torch._dynamo', 'scipy', 'deepspeed') if m in sys.modules))"
-    )
-    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+def test_the_flows_that_do_not_train_start_without_torch():
+    """train-llm, prepare-dataset and watch-datasets runs load the flows' modules, not torch:
+    torch and the trainer are imported by rank 0's distributed-train alone."""
+    assert _loaded_after("frenzy_prefect.flows", ("torch",)) == []

@@ -32,9 +32,6 @@ from frenzy_prefect.profiling.dataset import is_token_data
 from frenzy_prefect.spec.plan import PlanCandidate, TrainingJob
 from frenzy_prefect.spec.request import TrainingRequest
 from frenzy_prefect.spec.result import TrainingReport, TrainingResult
-from frenzy_prefect.training.distributed import DistributedContext
-from frenzy_prefect.training.resilient.supervisor import supervise
-from frenzy_prefect.training.trainer import train as train_ranks
 
 TRAINING_DEPLOYMENT = "distributed-train/frenzy"  # deployments named otherwise pass their own (deployments.py)
 
@@ -108,6 +105,11 @@ def train_llm(
 @flow(name="distributed-train")
 def distributed_train(job: TrainingJob) -> TrainingResult:
     """Rank 0 of a training job (the `frenzy` worker starts the other ranks beside it)."""
+    # (imported here: torch and the trainer are rank 0's alone, not every flow run's of this module)
+    from frenzy_prefect.training.distributed import DistributedContext
+    from frenzy_prefect.training.resilient.supervisor import supervise
+    from frenzy_prefect.training.trainer import train as train_ranks
+
     run_id, log = FlowRunContext.get().flow_run.id, get_run_logger().info
     report = TrainingReporter(run_id, job)
     notify = noting_a_restart(report, job, log)
