@@ -15,6 +15,10 @@ next minor release for that reason).
   storage accounting, over whole steps, with ``torch._C._current_graph_task_id`` telling a
   backward pass from a forward without module hooks.
 
+One more is used outside this module, where importing this one would cost more: torchrun's
+``SubprocessContext.close``, ``_failures`` and ``envs``, which ``launch.agent`` wraps in the torchrun
+agent (a process that imports no DCP); test_private_apis checks it as it checks these.
+
 pipelining and MemTracker are imported at first use: each imports torch._dynamo (about 1.3 s of a
 process's start on our cores), which a training rank whose plan never splits B from W, and every
 rank that does not measure, would otherwise pay at every start and restart.
