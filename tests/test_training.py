@@ -414,6 +414,8 @@ def test_a_plain_runs_ranks_start_without_dynamo_scipy_or_deepspeed():
     DeepSpeed (ZeRO-2) only where a plan uses them, about 2 s of each process's start otherwise."""
     imports = "frenzy_prefect.training.entry, frenzy_prefect.flows.training"
     assert _loaded_after(imports, ("torch._dynamo", "scipy", "deepspeed")) == []
+    # and each incarnation of a ReCycle trainer (its live plans come from the heuristic planner)
+    assert _loaded_after("frenzy_prefect.training.resilient.trainer", ("torch._dynamo", "scipy")) == []
 
 
 def test_the_flows_that_do_not_train_start_without_torch():

@@ -15,9 +15,12 @@ import pickle
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
+
+if TYPE_CHECKING:
+    from scipy.optimize import LinearConstraint
 
 
 def solve(objective, constraints: LinearConstraint, integrality, options: dict, kill_after_s: float) -> dict | None:
@@ -38,6 +41,8 @@ def solve(objective, constraints: LinearConstraint, integrality, options: dict, 
 
 
 def main() -> None:
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
     objective, a, lb, ub, integrality, options = pickle.loads(sys.stdin.buffer.read())
     result = milp(objective, constraints=LinearConstraint(a, lb, ub), integrality=integrality, bounds=Bounds(0, np.inf), options=options)
     sys.stdout.buffer.write(pickle.dumps({"status": result.status, "x": result.x, "dual_bound": result.get("mip_dual_bound")}))

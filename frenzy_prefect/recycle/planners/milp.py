@@ -37,11 +37,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_array
+
+if TYPE_CHECKING:  # (SciPy is imported where a MILP is built: ReCycle's live ranks plan with the heuristic)
+    from scipy.optimize import LinearConstraint
 
 from frenzy_prefect.pipeline.builder import ComputeItem, assemble
 from frenzy_prefect.pipeline.costs import StageCosts
@@ -79,6 +80,9 @@ class _Rows:
         self.hi.append(hi)
 
     def constraint(self, n: int) -> LinearConstraint:
+        from scipy.optimize import LinearConstraint
+        from scipy.sparse import coo_array
+
         a = coo_array((self.v, (self.r, self.c)), shape=(len(self.lo), n)).tocsr()
         return LinearConstraint(a, np.array(self.lo), np.array(self.hi))
 
@@ -179,6 +183,8 @@ def solve(problem: Problem, fb_orders: dict[Worker, list[ComputeItem]], time_lim
     """The MILP over ``fb_orders``; None when it is infeasible (a memory bound the order cannot
     meet). ``cutoff_s``: the makespan of a known schedule; an LP bound that reaches it ends the solve.
     ``time_limit_s``: the LP relaxation and the branch and bound together."""
+    from scipy.optimize import Bounds, milp
+
     unit = max(problem.costs.forward_s) or 1.0
     cols = _columns(fb_orders, problem.pp)
     rows = _rows(problem, fb_orders, cols, unit)
