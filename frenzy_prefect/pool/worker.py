@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import socket
 import sys
 import tempfile
@@ -185,9 +186,11 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, Any, FrenzyWorkerResult]):
         super().__init__(*args, **kwargs)
         self._queue: GpuQueue | None = None
         self._leaks: LeakedGpus | None = None
+        self._runs_in_flight = 0
 
     async def setup(self) -> None:
         renew_every_s()  # a bad setting stops the worker now, not a run's renewals later
+        _bound_a_stop_while_idle(lambda: self._runs_in_flight == 0)
         await super().setup()
         if warning := await volatile_lease_storage_warning(self.client):
             self._logger.warning(warning)
@@ -227,12 +230,16 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, Any, FrenzyWorkerResult]):
         configuration: FrenzyJobConfiguration,
         task_status: anyio.abc.TaskStatus[Any] | None = None,
     ) -> FrenzyWorkerResult:
-        await self._label(flow_run, {run_labels.WORKER: self.name, run_labels.PROCESS: run_labels.this_process()})
-        job = training_job_of(flow_run)
-        if job is None:
-            result, cancelled = await self._launch(flow_run, configuration, None, task_status)
-        else:
-            result, cancelled = await self._train(flow_run, configuration, job, task_status)
+        self._runs_in_flight += 1
+        try:
+            await self._label(flow_run, {run_labels.WORKER: self.name, run_labels.PROCESS: run_labels.this_process()})
+            job = training_job_of(flow_run)
+            if job is None:
+                result, cancelled = await self._launch(flow_run, configuration, None, task_status)
+            else:
+                result, cancelled = await self._train(flow_run, configuration, job, task_status)
+        finally:
+            self._runs_in_flight -= 1
         if cancelled:
             return await self._cancelled(flow_run, cancelled, identifier=result.identifier)
         return result
@@ -432,6 +439,29 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, Any, FrenzyWorkerResult]):
                 await self._leaks.sweep()
             except Exception:  # never let housekeeping stop the worker's heartbeat
                 self._logger.exception("Reclaiming lost runs or leaked GPUs failed; trying again at the next heartbeat")
+
+
+def _bound_a_stop_while_idle(idle) -> None:
+    """On SIGTERM (what `prefect worker start` turns into its stop) while ``idle()``, the process
+    exits within EXIT_FLUSH_S whatever its shutdown waits for: with nothing started and no GPU
+    held, nothing is lost. Its teardown (closing the worker channel, the cancellation observer's
+    event stream, the client) and Prefect's events flush can each wait on a server that does not
+    answer; seen here once past 60 s on a loaded host. A worker with runs bounds its exit after
+    their ranks are stopped and GPUs released (teardown)."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # a worker run inside another program (its signals are that program's)
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        if idle():
+            _exit_within(EXIT_FLUSH_S)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:  # then what it would have done: end the process
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 def _exit_within(seconds: float) -> None:
