@@ -2,9 +2,9 @@
 SQLite with durable lease storage, two `frenzy` workers), so that killing its server or a worker
 disturbs no other test.
 
-- One queue across workers: a T4 run starts while an A10 run waits; A10 runs start in order.
-- Backfill: a short run takes the A10 a blocked 2 x A10 run cannot use yet; a long one, predicted
-  to hold it past the blocked run's reserved start, waits.
+- One queue across workers: A10 runs start in order, a T4 run starts while they wait, and
+  (backfill) a short run takes the A10 a blocked 2 x A10 run cannot use yet while a long one,
+  predicted to hold it past the blocked run's reserved start, waits its turn.
 - A worker killed with -9 while its run waits for GPUs: the run goes back to Scheduled and the
   other worker trains it.
 - The server killed with -9 and restarted mid-run: the ranks keep training, their GPUs stay
@@ -125,48 +125,35 @@ def all_free(stack: LocalStack) -> None:
     wait_for("every GPU to be free", lambda: free_now(stack) == ALL_FREE, 60)
 
 
-def test_runs_wait_in_one_order_across_workers_and_other_gpu_types_go_ahead(faults, dataset):
-    blocker = submit(faults, dataset, gpus=2, gpu_type="A10", steps=100_000, name="blocker")
-    logged(faults, blocker, "step ")
-    first = submit(faults, dataset, gpus=2, gpu_type="A10", steps=2, name="a10-first")
-    logged(faults, first, "waiting for ")
-    second = submit(faults, dataset, gpus=1, gpu_type="A10", steps=2, name="a10-second")
-    logged(faults, second, "waiting for ")
+def test_runs_wait_in_one_order_across_workers_a_short_one_backfills_and_other_gpu_types_go_ahead(faults, dataset):
+    """One queue per GPU type across both workers. gpt-nano on one A10: 1.3 ms a step predicted,
+    so the blocker is predicted to hold its A10 for about 400 s, the long run for 1300 s, the
+    short one for a few milliseconds: the short one takes the A10 the blocked 2 x A10 head cannot
+    use yet, the long one waits its turn behind the head, and a T4 run goes ahead of them all."""
+    blocker = submit(faults, dataset, gpus=1, gpu_type="A10", steps=300_000, name="blocker")
+    logged(faults, blocker, "Reserved GPUs ")
+    head = submit(faults, dataset, gpus=2, gpu_type="A10", steps=2, name="head")
+    logged(faults, head, "waiting for ")
+    long = submit(faults, dataset, gpus=1, gpu_type="A10", steps=1_000_000, name="long")
+    logged(faults, long, "waiting for ")
+    short = submit(faults, dataset, gpus=1, gpu_type="A10", steps=2, name="short")
     t4 = submit(faults, dataset, gpus=1, gpu_type="T4", steps=2, name="t4")
 
-    assert final(faults, t4).state.is_completed()  # while both A10 runs still wait behind the blocker
-    assert read(faults, first).state_type == StateType.PENDING and read(faults, second).state_type == StateType.PENDING
-    assert {read(faults, r).labels["frenzy.worker"] for r in (first, second, t4)} <= set(WORKERS)
-
-    cancel(faults, blocker)
-    assert final(faults, first).state.is_completed() and final(faults, second).state.is_completed()
-    (first_reserved,) = logged(faults, first, "Reserved GPUs ")
-    (second_reserved,) = logged(faults, second, "Reserved GPUs ")
-    assert first_reserved.timestamp < second_reserved.timestamp, "the younger A10 run went ahead of the older one"
-    assert any("in line for local-hetero/A10" in log.message for log in logs(faults, second))
-    all_free(faults)
-
-
-def test_a_short_run_takes_the_gpu_a_blocked_two_gpu_run_cannot_use_yet_and_a_long_one_waits_its_turn(faults, dataset):
-    # gpt-nano on one A10: 1.3 ms a step predicted, so the blocker is predicted to hold its GPU
-    # for about 400 s, the long run for 1300 s, the short one for a few milliseconds.
-    blocker = submit(faults, dataset, gpus=1, gpu_type="A10", steps=300_000, name="backfill-blocker")
-    logged(faults, blocker, "Reserved GPUs ")
-    head = submit(faults, dataset, gpus=2, gpu_type="A10", steps=2, name="backfill-head")
-    logged(faults, head, "waiting for ")
-    long = submit(faults, dataset, gpus=1, gpu_type="A10", steps=1_000_000, name="backfill-long")
-    logged(faults, long, "waiting for ")
-    short = submit(faults, dataset, gpus=1, gpu_type="A10", steps=2, name="backfill-short")
-
-    assert final(faults, short).state.is_completed()  # on the free A10, while the older runs wait
+    assert final(faults, short).state.is_completed() and final(faults, t4).state.is_completed()  # while the older A10 runs wait
     assert read(faults, head).state_type == StateType.PENDING and read(faults, long).state_type == StateType.PENDING
     (backfilled,) = logged(faults, short, "Backfilled: ")
     assert "ahead of the oldest run waiting for local-hetero/A10, predicted to end by" in backfilled.message
     assert not [log for log in logs(faults, long) if log.message.startswith(("Backfilled", "Reserved GPUs "))]
+    assert any("in line for local-hetero/A10" in log.message for log in logs(faults, long))
 
-    cancel(faults, long)
     cancel(faults, blocker)
-    assert final(faults, head).state.is_completed() and final(faults, long).state.type == StateType.CANCELLED
+    assert final(faults, head).state.is_completed()
+    (head_reserved,) = logged(faults, head, "Reserved GPUs ")
+    (long_reserved,) = logged(faults, long, "Reserved GPUs ")  # its turn, after the head's
+    assert head_reserved.timestamp < long_reserved.timestamp, "the younger A10 run went ahead of the older one"
+    cancel(faults, long)
+    assert final(faults, long).state.type == StateType.CANCELLED
+    assert {read(faults, r).labels["frenzy.worker"] for r in (head, long, short, t4)} <= set(WORKERS)
     all_free(faults)
 
 
