@@ -31,7 +31,7 @@ EXAMPLE_CLUSTER = ROOT / "blocks" / "local-hetero.yaml"
 BUCKET = "frenzy-tests"
 POOL = "frenzy"  # the pool flows/prefect.yaml deploys to (FRENZY_POOL)
 POOL_CLUSTER = "local-hetero"  # the test pool's `cluster` variable: train-llm's cluster when a run names none
-WORKER_LIMIT = 10  # runs a test worker holds at once: a crowd of 14 spills over to a second worker
+WORKER_LIMIT = 5  # runs a test worker holds at once (waiting ones included): a crowd of 8 spills over to a second worker
 
 
 def without_real_part(part: str, why: str) -> None:
