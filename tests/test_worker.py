@@ -175,3 +175,41 @@ def test_the_worker_process_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+STOP_PROBE = """
+import signal, sys, time
+from frenzy_prefect.pool.worker import _bound_a_stop_while_idle
+if sys.argv[1] == "handler":  # what `prefect worker start` installs: it forwards the stop
+    signal.signal(signal.SIGTERM, lambda *_: print("forwarded", flush=True))
+_bound_a_stop_while_idle(lambda: sys.argv[2] == "idle")
+print("ready", flush=True)
+time.sleep(60)  # a shutdown that waits on a server which never answers
+"""
+
+
+@pytest.mark.parametrize(
+    ("previous", "state", "ends"),
+    [
+        ("handler", "idle", 0),  # the bound ends it, the previous handler ran first
+        ("default", "idle", -signal.SIGTERM),  # no handler before: SIGTERM's own action
+        ("handler", "busy", None),  # runs in flight: their stop comes first, no early exit
+    ],
+)
+def test_a_sigterm_to_an_idle_worker_bounds_its_exit_and_still_reaches_the_previous_handler(previous, state, ends):
+    from frenzy_prefect.pool.worker import EXIT_FLUSH_S
+
+    probe = subprocess.Popen([sys.executable, "-c", STOP_PROBE, previous, state], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert probe.stdout.readline().strip() == "ready"
+        probe.send_signal(signal.SIGTERM)
+        try:
+            code = probe.wait(timeout=EXIT_FLUSH_S + 3)
+        except subprocess.TimeoutExpired:
+            code = None
+        assert code == ends
+        if previous == "handler":
+            assert probe.stdout.readline().strip() == "forwarded"
+    finally:
+        probe.kill()
+        probe.wait()
