@@ -22,7 +22,7 @@ from frenzy_prefect.training.decoder import Decoder
 from frenzy_prefect.training.distributed import free_port
 from frenzy_prefect.training.executor import StageExecutor, _Run
 
-from .test_training import _replica0_losses
+from .test_training import _reference_losses, _replica0_losses
 
 pytestmark = pytest.mark.pipeline
 NANO = PRESETS["gpt-nano"]
@@ -85,7 +85,7 @@ def test_b_gives_only_the_input_gradient_and_w_then_a_plain_backwards_weight_gra
 def test_executed_schedules_train_as_plain_data_parallelism(plan, reference, backward):
     # Step after step: the second and third losses agree only if every stage's weight
     # gradients, summed over the micro-batches and averaged over the replicas, are dp-only's.
-    assert _replica0_losses(plan, backward=backward) == pytest.approx(_replica0_losses(reference), abs=1e-5)
+    assert _replica0_losses(plan, backward=backward) == pytest.approx(_reference_losses(reference), abs=1e-5)
 
 
 def rerouted_schedule(microbatches: int) -> Schedule:
