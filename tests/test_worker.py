@@ -182,7 +182,9 @@ import signal, sys, time
 from frenzy_prefect.pool.worker import _bound_a_stop_while_idle
 if sys.argv[1] == "handler":  # what `prefect worker start` installs: it forwards the stop
     signal.signal(signal.SIGTERM, lambda *_: print("forwarded", flush=True))
-_bound_a_stop_while_idle(lambda: sys.argv[2] == "idle")
+unbind = _bound_a_stop_while_idle(lambda: sys.argv[2] != "busy")
+if sys.argv[2] == "unbound":  # the worker's teardown: the previous handler is back
+    unbind()
 print("ready", flush=True)
 time.sleep(60)  # a shutdown that waits on a server which never answers
 """
@@ -194,6 +196,7 @@ time.sleep(60)  # a shutdown that waits on a server which never answers
         ("handler", "idle", 0),  # the bound ends it, the previous handler ran first
         ("default", "idle", -signal.SIGTERM),  # no handler before: SIGTERM's own action
         ("handler", "busy", None),  # runs in flight: their stop comes first, no early exit
+        ("handler", "unbound", None),  # after teardown, only the previous handler
     ],
 )
 def test_a_sigterm_to_an_idle_worker_bounds_its_exit_and_still_reaches_the_previous_handler(previous, state, ends):

@@ -25,7 +25,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
@@ -187,10 +187,11 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, Any, FrenzyWorkerResult]):
         self._queue: GpuQueue | None = None
         self._leaks: LeakedGpus | None = None
         self._runs_in_flight = 0
+        self._unbind_stop: Callable[[], None] = lambda: None
 
     async def setup(self) -> None:
         renew_every_s()  # a bad setting stops the worker now, not a run's renewals later
-        _bound_a_stop_while_idle(lambda: self._runs_in_flight == 0)
+        self._unbind_stop = _bound_a_stop_while_idle(lambda: self._runs_in_flight == 0)
         await super().setup()
         if warning := await volatile_lease_storage_warning(self.client):
             self._logger.warning(warning)
@@ -204,6 +205,7 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, Any, FrenzyWorkerResult]):
         try:
             await super().teardown(*exc_info)
         finally:
+            self._unbind_stop()
             if exc_info[0] is None or not issubclass(exc_info[0], Exception):  # stopped, not crashed: exit code 0
                 # The hook Prefect's services register their flush with: run at interpreter
                 # shutdown, the latest registered first, so the timer starts before their flush.
@@ -441,15 +443,16 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, Any, FrenzyWorkerResult]):
                 self._logger.exception("Reclaiming lost runs or leaked GPUs failed; trying again at the next heartbeat")
 
 
-def _bound_a_stop_while_idle(idle) -> None:
+def _bound_a_stop_while_idle(idle: Callable[[], bool]) -> Callable[[], None]:
     """On SIGTERM (what `prefect worker start` turns into its stop) while ``idle()``, the process
     exits within EXIT_FLUSH_S whatever its shutdown waits for: with nothing started and no GPU
     held, nothing is lost. Its teardown (closing the worker channel, the cancellation observer's
     event stream, the client) and Prefect's events flush can each wait on a server that does not
     answer; seen here once past 60 s on a loaded host. A worker with runs bounds its exit after
-    their ranks are stopped and GPUs released (teardown)."""
+    their ranks are stopped and GPUs released (teardown). Returns what puts the previous handler
+    back, unless another has replaced this one since (Prefect's, after a first SIGTERM)."""
     if threading.current_thread() is not threading.main_thread():
-        return  # a worker run inside another program (its signals are that program's)
+        return lambda: None  # a worker run inside another program (its signals are that program's)
     previous = signal.getsignal(signal.SIGTERM)
 
     def on_sigterm(signum: int, frame: Any) -> None:
@@ -462,6 +465,12 @@ def _bound_a_stop_while_idle(idle) -> None:
             os.kill(os.getpid(), signum)
 
     signal.signal(signal.SIGTERM, on_sigterm)
+
+    def unbind() -> None:
+        if signal.getsignal(signal.SIGTERM) is on_sigterm:
+            signal.signal(signal.SIGTERM, previous)
+
+    return unbind
 
 
 def _exit_within(seconds: float) -> None:
