@@ -23,7 +23,13 @@ from datetime import timedelta
 import torch.distributed as dist
 
 HEARTBEAT_S = 0.1
-STALE_S = 1.0  # a heartbeat this old means a dead (or hung) process
+# A heartbeat this old means a dead (or hung) process. A live trainer's beat can stand still for
+# a while on a crowded host: the thread needs the GIL from a main thread that the kernel has
+# descheduled, and the store's agent answers late. Measured on 2 cores running 8 trainers beside
+# 4 busy loops: gaps up to 1.05 s, during the trainer's imports and its store round trips (a 1 s
+# threshold killed 3 of 4 healthy trainers at their start there). 5 s keeps a margin of ~5x over
+# that, and a hung trainer is still dead to its peers long before the groups' 60 s timeout.
+STALE_S = 5.0
 
 Incarnation = tuple[int, int]  # (rank, incarnation)
 INCARNATION_ENV = "FRENZY_INCARNATION"  # set for a trainer under a supervisor: which incarnation of its rank it is
