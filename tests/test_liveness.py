@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from frenzy_prefect.training.resilient.liveness import HEARTBEAT_S, STALE_S, Heartbeat, Log, append, watch_job_heartbeats
 
-STALL_S = 2.0  # twice the longest stall measured on a crowded host (liveness.STALE_S's comment)
+STALL_S = 2.0  # about twice the longest stall measured on a crowded host (liveness.STALE_S's comment)
 
 
 def test_the_watcher_declares_a_stopped_heartbeat_dead_and_not_one_that_stood_still_a_while():

@@ -27,8 +27,8 @@ HEARTBEAT_S = 0.1
 # a while on a crowded host: the thread needs the GIL from a main thread that the kernel has
 # descheduled, and the store's agent answers late. Measured on 2 cores running 8 trainers beside
 # 4 busy loops: gaps up to 1.05 s, during the trainer's imports and its store round trips (a 1 s
-# threshold killed 3 of 4 healthy trainers at their start there). 5 s keeps a margin of ~5x over
-# that, and a hung trainer is still dead to its peers long before the groups' 60 s timeout.
+# threshold killed 2 or 3 of 4 healthy trainers at their start there). 5 s keeps a margin of ~5x
+# over that, and a hung trainer is still dead to its peers long before the groups' 60 s timeout.
 STALE_S = 5.0
 
 Incarnation = tuple[int, int]  # (rank, incarnation)
