@@ -17,8 +17,8 @@ import torch
 
 from frenzy_prefect.profiling.dataset import profile_dataset
 from frenzy_prefect.spec.plan import ParallelPlan, Placement, TrainingJob
-from frenzy_prefect.storage import open_uri
-from frenzy_prefect.training.manifest import complete_checkpoints
+from frenzy_prefect.storage import filesystem, open_uri
+from frenzy_prefect.training.manifest import complete_checkpoints, step_uri
 from frenzy_prefect.training.resilient.liveness import INCARNATION_ENV
 
 from .conftest import BUCKET, ROOT
@@ -62,6 +62,26 @@ def kill_after_first_checkpoint(job: TrainingJob, rank: int, killed: list[int], 
         if victim is not None:
             killed.append(victim.pid)
             victim.send_signal(how)
+
+    thread = threading.Thread(target=kill)
+    thread.start()
+    return thread
+
+
+def kill_as_a_checkpoint_begins(job: TrainingJob, rank: int, step: int, killed: list[int]) -> threading.Thread:
+    """SIGKILL ``rank``'s first trainer as the first object of step ``step``'s checkpoint appears:
+    the survivors are then inside the checkpoint's collectives, some further on than others."""
+
+    def kill() -> None:
+        fs, path = filesystem(step_uri(job.checkpoint_uri, step))
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            fs.invalidate_cache()
+            if fs.exists(path) and (victim := trainer_of(rank, 0)) is not None:
+                killed.append(victim.pid)
+                victim.send_signal(signal.SIGKILL)
+                return
+            time.sleep(0.01)
 
     thread = threading.Thread(target=kill)
     thread.start()
@@ -116,14 +136,18 @@ def test_a_hung_trainer_is_declared_dead_by_its_heartbeat_killed_and_replaced(da
 
 
 def test_without_a_replacement_the_survivors_train_to_the_end_and_checkpoint_re_routed(dataset, fault_free):
+    """Killed as a checkpoint begins: the coordinator's gather fails at once while other survivors
+    still wait inside it (on live peers); they must not wait out the groups' timeout (ranks that
+    did were left out of the survivors, and the job failed: 3 of 10 such kills)."""
     losses, weights = fault_free
     job = job_of(dataset, "recycle-no-replacement", max_replacements=0)
     killed: list[int] = []
-    killer = kill_after_first_checkpoint(job, 1, killed)  # stage 0 of pipeline 1
+    killer = kill_as_a_checkpoint_begins(job, 1, 8, killed)  # stage 0 of pipeline 1, at the second checkpoint
     code, _ = launch(job)
     killer.join()
     assert killed and code == 0
     metrics = metrics_of(job)
+    assert [(f["kind"], f["ranks"]) for f in metrics["failures"]] == [("failed", [1])]
     assert metrics["losses"] == pytest.approx(losses, rel=1e-5)
     assert_same_weights(_whole_weights(metrics["checkpoint"]), weights)  # written by three ranks
 

@@ -72,6 +72,19 @@ class PeerFailed(RuntimeError):
     non-zero would let torchrun stop rank 0 before it had reported the cause to Prefect."""
 
 
+def broke_on_a_peer(exc: BaseException) -> bool:
+    """``exc`` (or an exception it came from) is a collective broken by a dead or hung peer:
+    torch raises NCCL's as DistError and gloo's as a bare RuntimeError naming its transport."""
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if isinstance(link, dist.DistError) or (type(link) is RuntimeError and "gloo/transport" in str(link)):
+            return True
+        link = link.__cause__ or link.__context__
+    return False
+
+
 def together(ctx: DistributedContext, action: Callable[[], T]) -> T:
     """``action`` on this rank, then every rank learns whether any rank's failed (one small
     all-reduce; all ranks must call this at the same point). On a failure anywhere, rank 0
@@ -80,6 +93,12 @@ def together(ctx: DistributedContext, action: Callable[[], T]) -> T:
     try:
         result, error = action(), None
     except Exception as exc:
+        if broke_on_a_peer(exc):
+            # The group is broken: no agreement can complete on it, and a peer still inside the
+            # action (a checkpoint's gather) waits on this rank, not on the dead one, until the
+            # group's timeout. Raising lets this rank leave the group; its connections close,
+            # which ends those waits at once (ReCycle's survivors then re-form without the dead).
+            raise
         result, error = None, exc
     if not dist.is_initialized() or dist.get_world_size() == 1:
         if error is not None:
