@@ -176,3 +176,15 @@ def slurm():
         without_real_part("slurm", why)
     with slurm_cluster() as cluster:
         yield cluster
+
+
+def all_logs(client, run_id) -> list:
+    """Every log record of flow run ``run_id``, oldest first: the API answers at most 200 per call
+    (PREFECT_API_DEFAULT_LIMIT), and a run of many steps logs more."""
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import LogSort
+
+    about, logs = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])), []
+    while page := client.read_logs(about, limit=200, offset=len(logs), sort=LogSort.TIMESTAMP_ASC):
+        logs += page
+    return logs

@@ -6,12 +6,14 @@ training runs through the real pool, a real worker and real ranks under slurmd."
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from uuid import UUID
 
+import psutil
 import pytest
 
 from frenzy_prefect.errors import FrenzyError
@@ -28,6 +30,8 @@ from frenzy_prefect.launch.slurm_inventory import (
 )
 from frenzy_prefect.launch.slurm_restart import moved_nodes, replacements
 from frenzy_prefect.spec.catalog import GPU_CATALOG
+from frenzy_prefect.spec.plan import JOB_ENV
+from frenzy_prefect.training.resilient.liveness import INCARNATION_ENV
 
 from .conftest import ROOT
 
@@ -256,11 +260,11 @@ def start_run(stack, dataset: str, name: str, *, gpus: int, steps: int, gpu_type
 
 def run_logs(stack, run_id: UUID) -> list[str]:
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    from .conftest import all_logs
 
     with stack.client_settings(), get_client(sync_client=True) as client:
-        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))
-    return [log.message for log in logs]
+        return [log.message for log in all_logs(client, run_id)]
 
 
 def wait_for_log(stack, run_id: UUID, prefix: str, timeout_s: float = 240) -> list[str]:
@@ -370,6 +374,7 @@ def test_cancelling_a_run_scancels_its_job_within_10_s_and_the_run_ends_cancelle
     assert state in ("CANCELLED", "COMPLETING"), state
 
 
+@pytest.mark.faults
 @pytest.mark.slurm
 def test_a_node_that_fails_crashes_the_run_naming_the_node(slurm, stack, slurm_pool, dataset):
     run_id = start_run(stack, dataset, "node-fails", gpus=2, steps=100_000, gpu_type="H100")  # the A10s may be busy
@@ -393,6 +398,7 @@ def job_of_run(stack, run_id: UUID):
     return TrainingJob.model_validate(flow_run(stack, run_id).parameters["job"])
 
 
+@pytest.mark.faults
 @pytest.mark.slurm
 def test_with_max_restarts_a_run_whose_node_fails_resumes_from_its_last_checkpoint_on_another_node(slurm, stack, slurm_pool, dataset):
     from frenzy_prefect.training.manifest import complete_checkpoints, step_uri
@@ -456,6 +462,7 @@ def test_a_run_slurm_can_never_hold_is_refused_at_once_in_one_line(stack, slurm_
     assert time.monotonic() - asked < 60
 
 
+@pytest.mark.faults
 @pytest.mark.slurm
 def test_a_worker_killed_with_9_leaves_no_slurm_job_running(slurm, stack, slurm_pool, dataset):
     """Its watcher dies with it (orphan_guard's SIGTERM), cancelling the job on the way: no job
@@ -494,3 +501,53 @@ def test_a_run_slurm_holds_back_waits_as_a_pending_job_its_reason_in_its_log_and
     with stack.client_settings():
         assert wait_final(run_id, timeout_s=300).state.is_completed()
     assert flow_run(stack, run_id).labels["frenzy.slurm-pending"] == ""
+
+
+def trainer_of(rank: int, output: str, incarnation: str = "0", timeout_s: float = 120) -> psutil.Process:
+    """The trainer process of global rank ``rank`` of the job writing to ``output`` (its
+    incarnation ``incarnation``): slurmd's steps run on this host, each rank's supervisor above it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for proc in psutil.process_iter():
+            try:
+                env = proc.environ()
+            except (psutil.Error, OSError):
+                continue
+            if env.get(INCARNATION_ENV) == incarnation and env.get("RANK") == str(rank) and output in env.get(JOB_ENV, ""):
+                return proc
+        time.sleep(0.5)
+    raise AssertionError(f"no trainer of rank {rank} writing to {output} after {timeout_s:.0f} s")
+
+
+@pytest.mark.faults
+@pytest.mark.slurm
+@pytest.mark.recycle_live
+def test_a_recycle_run_on_slurm_survives_a_killed_trainer_without_a_restart(slurm, stack, slurm_pool, dataset):
+    """`resilience: recycle` under Slurm as locally (test_recycle_live): dp=2 x pp=2 on two nodes
+    x 2 GPUs as one Slurm job; rank 3's trainer is killed after a checkpoint. The job is never
+    restarted, the run never leaves Running, and the lost rank fails, is recovered and rejoins."""
+    from .test_e2e import training_events, wait_final
+
+    # (on the H100s: this module's foreign job and one-GPU run hold A10s until its end)
+    run_id = start_run(stack, dataset, "recycle", gpus=4, steps=40, checkpoint_every=5, resilience="recycle", gpu_type="H100")
+    job = job_of_run(stack, run_id)
+    assert (job.allocation.plan.dp, job.allocation.plan.pp) == (2, 2), job.allocation.plan
+    wait_for_log(stack, run_id, "checkpoint of step")
+    trainer_of(3, job.output).send_signal(signal.SIGKILL)
+    with stack.client_settings():
+        run = wait_final(run_id, timeout_s=400)
+    logs = run_logs(stack, run_id)
+    assert run.state.is_completed(), (run.state.message, logs[-30:])
+    assert len([m for m in logs if m.startswith("Submitted Slurm job ")]) == 1, "the job was restarted"
+    from prefect.client.orchestration import get_client
+
+    with stack.client_settings(), get_client(sync_client=True) as client:
+        states = [s.type.value for s in client.read_flow_run_states(run_id)]
+    assert not {"FAILED", "CRASHED"} & set(states), states
+    events = training_events(stack, run_id, until="frenzy.training.completed")
+    lived = {"frenzy.training.rank-failed", "frenzy.training.recovered", "frenzy.training.rejoined"}
+    survived = [e for e in events if e["event"] in lived]
+    assert {e["event"] for e in survived} == lived, logs[-30:]
+    assert all(e["payload"]["ranks"] == [3] for e in survived), survived
+    steps = [m for m in logs if m.startswith("step ")]
+    assert steps[-1].startswith("step 40/40"), steps[-3:]
