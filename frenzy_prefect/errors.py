@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from pydantic import ValidationError
+
+
+def exception_chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """``exc`` and the exceptions it was raised from or while handling, each once."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
 
 
 class FrenzyError(ValueError):

@@ -10,6 +10,7 @@ import json
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import psutil
 import pytest
@@ -41,51 +42,54 @@ def metrics_of(job: TrainingJob) -> dict:
         return json.load(f)
 
 
+def is_trainer(proc: psutil.Process, rank: int, incarnation: int) -> bool:
+    """``proc`` is the trainer process (under its supervisor) of ``rank``'s ``incarnation``."""
+    try:
+        env, argv = proc.environ(), " ".join(proc.cmdline())
+        return env.get("RANK") == str(rank) and env.get(INCARNATION_ENV) == str(incarnation) and "training.entry" in argv
+    except psutil.Error:
+        return False
+
+
 def trainer_of(rank: int, incarnation: int) -> psutil.Process | None:
-    """The trainer process (under its supervisor) of ``rank``'s ``incarnation``."""
-    for p in psutil.Process().children(recursive=True):
-        try:
-            env = p.environ()
-            if env.get("RANK") == str(rank) and env.get(INCARNATION_ENV) == str(incarnation) and "training.entry" in " ".join(p.cmdline()):
-                return p
-        except psutil.Error:
-            continue
-    return None
+    """The trainer process of ``rank``'s ``incarnation`` among this test's processes."""
+    return next((p for p in psutil.Process().children(recursive=True) if is_trainer(p, rank, incarnation)), None)
 
 
-def kill_after_first_checkpoint(job: TrainingJob, rank: int, killed: list[int], how: signal.Signals = signal.SIGKILL) -> threading.Thread:
+def kill_when(
+    ready: Callable[[], bool], rank: int, killed: list[int], how: signal.Signals = signal.SIGKILL, poll_s: float = 0.05
+) -> threading.Thread:
+    """A thread that sends ``how`` to ``rank``'s first trainer once ``ready()`` (asked every
+    ``poll_s``) and the trainer runs."""
+
     def kill() -> None:
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and not (complete_checkpoints(job.checkpoint_uri) and trainer_of(rank, 0)):
-            time.sleep(0.05)
-        victim = trainer_of(rank, 0)
-        if victim is not None:
-            killed.append(victim.pid)
-            victim.send_signal(how)
+        while time.monotonic() < deadline:
+            if ready() and (victim := trainer_of(rank, 0)) is not None:
+                killed.append(victim.pid)
+                victim.send_signal(how)
+                return
+            time.sleep(poll_s)
 
     thread = threading.Thread(target=kill)
     thread.start()
     return thread
+
+
+def kill_after_first_checkpoint(job: TrainingJob, rank: int, killed: list[int], how: signal.Signals = signal.SIGKILL) -> threading.Thread:
+    return kill_when(lambda: bool(complete_checkpoints(job.checkpoint_uri)), rank, killed, how)
 
 
 def kill_as_a_checkpoint_begins(job: TrainingJob, rank: int, step: int, killed: list[int]) -> threading.Thread:
     """SIGKILL ``rank``'s first trainer as the first object of step ``step``'s checkpoint appears:
     the survivors are then inside the checkpoint's collectives, some further on than others."""
+    fs, path = filesystem(step_uri(job.checkpoint_uri, step))
 
-    def kill() -> None:
-        fs, path = filesystem(step_uri(job.checkpoint_uri, step))
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            fs.invalidate_cache()
-            if fs.exists(path) and (victim := trainer_of(rank, 0)) is not None:
-                killed.append(victim.pid)
-                victim.send_signal(signal.SIGKILL)
-                return
-            time.sleep(0.01)
+    def begun() -> bool:
+        fs.invalidate_cache()
+        return fs.exists(path)
 
-    thread = threading.Thread(target=kill)
-    thread.start()
-    return thread
+    return kill_when(begun, rank, killed, poll_s=0.01)  # (a checkpoint takes ~0.3 s)
 
 
 @pytest.fixture(scope="module")

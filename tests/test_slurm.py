@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import suppress
 from pathlib import Path
 from uuid import UUID
 
@@ -31,7 +32,6 @@ from frenzy_prefect.launch.slurm_inventory import (
 from frenzy_prefect.launch.slurm_restart import moved_nodes, replacements
 from frenzy_prefect.spec.catalog import GPU_CATALOG
 from frenzy_prefect.spec.plan import JOB_ENV
-from frenzy_prefect.training.resilient.liveness import INCARNATION_ENV
 
 from .conftest import ROOT
 
@@ -503,18 +503,17 @@ def test_a_run_slurm_holds_back_waits_as_a_pending_job_its_reason_in_its_log_and
     assert flow_run(stack, run_id).labels["frenzy.slurm-pending"] == ""
 
 
-def trainer_of(rank: int, output: str, incarnation: str = "0", timeout_s: float = 120) -> psutil.Process:
-    """The trainer process of global rank ``rank`` of the job writing to ``output`` (its
-    incarnation ``incarnation``): slurmd's steps run on this host, each rank's supervisor above it."""
+def trainer_of(rank: int, output: str, timeout_s: float = 120) -> psutil.Process:
+    """The first trainer of global rank ``rank`` of the job writing to ``output``: slurmd's steps
+    run on this host, each rank's supervisor above its trainer."""
+    from .test_recycle_live import is_trainer
+
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for proc in psutil.process_iter():
-            try:
-                env = proc.environ()
-            except (psutil.Error, OSError):
-                continue
-            if env.get(INCARNATION_ENV) == incarnation and env.get("RANK") == str(rank) and output in env.get(JOB_ENV, ""):
-                return proc
+            with suppress(psutil.Error):
+                if is_trainer(proc, rank, 0) and output in proc.environ().get(JOB_ENV, ""):
+                    return proc
         time.sleep(0.5)
     raise AssertionError(f"no trainer of rank {rank} writing to {output} after {timeout_s:.0f} s")
 
@@ -526,6 +525,8 @@ def test_a_recycle_run_on_slurm_survives_a_killed_trainer_without_a_restart(slur
     """`resilience: recycle` under Slurm as locally (test_recycle_live): dp=2 x pp=2 on two nodes
     x 2 GPUs as one Slurm job; rank 3's trainer is killed after a checkpoint. The job is never
     restarted, the run never leaves Running, and the lost rank fails, is recovered and rejoins."""
+    from prefect.client.orchestration import get_client
+
     from .test_e2e import training_events, wait_final
 
     # (on the H100s: this module's foreign job and one-GPU run hold A10s until its end)
@@ -539,8 +540,6 @@ def test_a_recycle_run_on_slurm_survives_a_killed_trainer_without_a_restart(slur
     logs = run_logs(stack, run_id)
     assert run.state.is_completed(), (run.state.message, logs[-30:])
     assert len([m for m in logs if m.startswith("Submitted Slurm job ")]) == 1, "the job was restarted"
-    from prefect.client.orchestration import get_client
-
     with stack.client_settings(), get_client(sync_client=True) as client:
         states = [s.type.value for s in client.read_flow_run_states(run_id)]
     assert not {"FAILED", "CRASHED"} & set(states), states

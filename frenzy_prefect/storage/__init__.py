@@ -42,7 +42,7 @@ from urllib.parse import urlsplit, urlunsplit
 import fsspec
 from fsspec import AbstractFileSystem
 
-from frenzy_prefect.errors import FrenzyError, StorageUnreachable
+from frenzy_prefect.errors import FrenzyError, StorageUnreachable, exception_chain
 
 T = TypeVar("T")
 
@@ -188,13 +188,8 @@ def _stall_errors() -> tuple[type[BaseException], ...]:
 
 def _stall_in(exc: BaseException) -> BaseException | None:
     """The stall or connection failure ``exc`` is or wraps (s3fs re-raises some as OSError)."""
-    stall, seen = _stall_errors(), set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, stall) or getattr(exc, "errno", None) == errno.ETIMEDOUT:
-            return exc
-        exc = exc.__cause__ or exc.__context__
-    return None
+    stall = _stall_errors()
+    return next((e for e in exception_chain(exc) if isinstance(e, stall) or getattr(e, "errno", None) == errno.ETIMEDOUT), None)
 
 
 def _describe(exc: BaseException) -> tuple[bool, str]:

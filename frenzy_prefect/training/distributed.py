@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveInt
 
-from frenzy_prefect.errors import StorageUnreachable
+from frenzy_prefect.errors import StorageUnreachable, exception_chain
 
 T = TypeVar("T")
 
@@ -75,14 +75,7 @@ class PeerFailed(RuntimeError):
 def broke_on_a_peer(exc: BaseException) -> bool:
     """``exc`` (or an exception it came from) is a collective broken by a dead or hung peer:
     torch raises NCCL's as DistError and gloo's as a bare RuntimeError naming its transport."""
-    seen: set[int] = set()
-    link: BaseException | None = exc
-    while link is not None and id(link) not in seen:
-        seen.add(id(link))
-        if isinstance(link, dist.DistError) or (type(link) is RuntimeError and "gloo/transport" in str(link)):
-            return True
-        link = link.__cause__ or link.__context__
-    return False
+    return any(isinstance(e, dist.DistError) or (type(e) is RuntimeError and "gloo/transport" in str(e)) for e in exception_chain(exc))
 
 
 def together(ctx: DistributedContext, action: Callable[[], T]) -> T:

@@ -32,7 +32,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from frenzy_prefect.errors import FrenzyError
+from frenzy_prefect.errors import FrenzyError, exception_chain
 from frenzy_prefect.pipeline.costs import StageCosts
 from frenzy_prefect.pipeline.schedule import Schedule
 from frenzy_prefect.recycle.cache import PlanCache
@@ -171,12 +171,8 @@ def without_frames(exc: BaseException) -> BaseException:
     """``exc`` and the exceptions it was raised from, without their tracebacks: their frames hold
     the interrupted transfers and collectives, and those the broken process groups, whose
     connections close only once nothing holds them (a checkpoint's failure arrives wrapped)."""
-    seen: set[int] = set()
-    link: BaseException | None = exc
-    while link is not None and id(link) not in seen:
-        seen.add(id(link))
+    for link in exception_chain(exc):
         link.__traceback__ = None
-        link = link.__cause__ or link.__context__
     return exc
 
 
