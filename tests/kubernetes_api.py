@@ -2,8 +2,10 @@
 by kubernetes_asyncio: create (strict validation: tests/kubernetes_schemas.py; 404 for a
 missing namespace, 409 AlreadyExists, 422 Invalid with causes), get, list with equality label
 selectors, watch (newline-delimited events), delete (owned objects go too unless
-propagationPolicy is Orphan; here a JobSet owns the pods the test makes for it), pods' logs, and
-API discovery of the JobSet group. It is no apiserver: no defaulting, admission, controllers or
+propagationPolicy is Orphan: by their ownerReferences, and pods a test made with the run's job
+label; a pod whose container runs is deleted gracefully: its deletionTimestamp set, removed by the
+kubelet once stopped), pods' logs (followed while the container runs), and API discovery of the
+JobSet group. It is no apiserver: no defaulting, admission, controllers or
 resourceVersion semantics beyond a counter (../shared/KUBERNETES.md)."""
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import asyncio
 import copy
 import json
 import uuid
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -24,6 +28,7 @@ KINDS = {
     "nodes": ("v1", "Node"),
     "pods": ("v1", "Pod"),
     "services": ("v1", "Service"),
+    "secrets": ("v1", "Secret"),
     "jobs": ("batch/v1", "Job"),
     "jobsets": (JOBSET_API, "JobSet"),
 }
@@ -45,6 +50,8 @@ class ApiServer:
         self.watchers: list[tuple[str, str, dict[str, str], asyncio.Queue]] = []
         self.deletes: list[tuple[str, str, str | None]] = []  # (plural, name, propagationPolicy)
         self.logs: dict[str, str] = {}
+        self.log_files: dict[str, tuple[Path, Callable[[], bool]]] = {}  # pod -> (its log, whether it still runs)
+        self.graceful: Callable[[dict[str, Any]], bool] = lambda pod: False  # a pod the kubelet must stop first
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -156,21 +163,56 @@ class ApiServer:
         m = request.match_info
         body = await request.json() if request.can_read_body else {}
         policy = body.get("propagationPolicy") or request.query.get("propagationPolicy")
-        obj = self.objects.pop((m["plural"], m["ns"], m["name"]), None)
+        obj = self.objects.get((m["plural"], m["ns"], m["name"]))
         if obj is None:
             return status(404, "NotFound", f'{m["plural"]} "{m["name"]}" not found')
         self.deletes.append((m["plural"], m["name"], policy))
-        if policy != "Orphan":  # its pods (the test's stand-in for the controllers' ownership: the job label)
-            for key, pod in list(self.objects.items()):
-                if key[0] == "pods" and pod["metadata"].get("labels", {}).get(JOB_LABEL) == obj["metadata"]["labels"].get(JOB_LABEL):
-                    del self.objects[key]
-                    self._notify("pods", "DELETED", pod)
-        self._notify(m["plural"], "DELETED", obj)
+        self._delete(m["plural"], obj, cascade=policy != "Orphan")
         return web.json_response({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success"})
 
-    async def log(self, request: web.Request) -> web.Response:
+    def _delete(self, plural: str, obj: dict[str, Any], cascade: bool) -> None:
+        """Delete ``obj`` and, with ``cascade``, what it owns; a pod whose container runs only gets its deletionTimestamp."""
+        if plural == "pods" and self.graceful(obj):
+            if not obj["metadata"].get("deletionTimestamp"):
+                self.put(plural, {**obj, "metadata": {**obj["metadata"], "deletionTimestamp": "2026-12-02T00:00:01Z"}})
+            return
+        self.remove(plural, obj)
+        if not cascade:
+            return
+        uid, job = obj["metadata"].get("uid"), obj["metadata"].get("labels", {}).get(JOB_LABEL)
+        for (p, _, _), child in list(self.objects.items()):
+            owners = child["metadata"].get("ownerReferences") or []
+            by_label = p == "pods" and not owners and job and child["metadata"].get("labels", {}).get(JOB_LABEL) == job
+            if by_label or any(o.get("uid") == uid for o in owners):
+                self._delete(p, child, cascade)
+
+    def remove(self, plural: str, obj: dict[str, Any]) -> None:
+        """The object is gone: DELETED to its watchers."""
+        meta = obj["metadata"]
+        if self.objects.pop((plural, meta.get("namespace", "default"), meta["name"]), None) is not None:
+            self._notify(plural, "DELETED", obj)
+
+    async def log(self, request: web.Request) -> web.StreamResponse:
         name = request.match_info["name"]
-        return web.Response(text=self.logs.get(name, "")) if name in self.logs else status(404, "NotFound", f'pods "{name}" not found')
+        if name in self.logs:
+            return web.Response(text=self.logs[name])
+        if name not in self.log_files:
+            return status(404, "NotFound", f'pods "{name}" not found')
+        path, running = self.log_files[name]
+        response = web.StreamResponse(headers={"Content-Type": "text/plain"})
+        await response.prepare(request)
+        follow = request.query.get("follow", "").lower() in ("true", "1")
+        with open(path, "rb") as f:
+            while True:
+                alive = running()
+                if chunk := f.read():
+                    await response.write(chunk)
+                elif not (follow and alive):
+                    break
+                else:
+                    await asyncio.sleep(0.1)
+        await response.write_eof()
+        return response
 
 
 def _selector(text: str) -> dict[str, str]:
@@ -184,14 +226,16 @@ def _matches(obj: dict[str, Any], selector: dict[str, str]) -> bool:
 
 def serve_in_thread(server: ApiServer):
     """Serve ``server`` on 127.0.0.1 from a thread of its own (for processes the test starts):
-    (its URL, a function that stops it)."""
+    (its URL, a function that stops it, its event loop)."""
     import threading
 
     loop = asyncio.new_event_loop()
     ready: list[str] = []
 
     async def start() -> web.AppRunner:
-        runner = web.AppRunner(server.app())
+        # (a client gone cancels its handler, as for a watch whose client exited; what is left
+        # at the stop gets 2 s to finish)
+        runner = web.AppRunner(server.app(), handler_cancellation=True, shutdown_timeout=2.0)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
@@ -207,7 +251,7 @@ def serve_in_thread(server: ApiServer):
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
 
-    return ready[0], stop
+    return ready[0], stop, loop
 
 
 def kubeconfig(url: str) -> dict[str, Any]:

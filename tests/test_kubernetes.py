@@ -484,7 +484,7 @@ def test_discover_kubernetes_reads_the_cluster_through_the_api_as_a_user_runs_it
     theirs |= {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "not-ours", "namespace": "default"}}
     theirs["spec"]["containers"] = [{**c, "image": "x"} for c in theirs["spec"]["containers"]]
     server.put("pods", theirs, "ADDED")
-    url, stop = serve_in_thread(server)
+    url, stop, _ = serve_in_thread(server)
     config = tmp_path / "kubeconfig"
     config.write_text(yaml.safe_dump(kubeconfig(url)))
     env = {k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"} | {"KUBECONFIG": str(config)}
@@ -501,3 +501,228 @@ def test_discover_kubernetes_reads_the_cluster_through_the_api_as_a_user_runs_it
     assert (
         down.returncode != 0 and down.stderr.startswith("error: the Kubernetes API did not answer") and len(down.stderr.splitlines()) == 1
     )
+
+
+# Pods that run: the scripted cluster (tests/kubernetes_cluster.py) schedules each pod the
+# launcher's objects make and runs its command as a local process, so the ranks train through
+# what the manifest says: its command, environment, Secret references, DNS names and GPUs.
+
+KUBE_NODES = {"gpu-a": "NVIDIA-A10", "gpu-b": "NVIDIA-A10", "gpu-t": "Tesla-T4"}  # two "GPUs" each
+S3_SECRET = "s3-keys"
+
+
+@pytest.fixture(scope="module")
+def kube(s3, tmp_path_factory):
+    import os
+
+    from .kubernetes_api import ApiServer
+    from .kubernetes_cluster import ScriptedCluster, missing
+
+    if why := missing():
+        pytest.skip(why)
+    cluster = ScriptedCluster(ApiServer(namespaces=("default", "training")), tmp_path_factory.mktemp("kube"))
+    for node, product in KUBE_NODES.items():
+        cluster.add_node(node, 2, product)
+    cluster.add_secret("training", S3_SECRET, {k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")})
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+def test_a_jobset_of_two_pods_trains_through_the_scripted_cluster(kube, dataset, tmp_path):
+    """The watcher alone (no pool): a dp=2 job on one A10 of gpu-a and one of gpu-b; both pods
+    rendezvous at pod 0's DNS name, read S3 with the Secret's keys, train and succeed."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from frenzy_prefect.launch.failure import FAILURE_FILE_ENV
+    from frenzy_prefect.launch.kubernetes import KUBECONFIG_ENV, SUBMISSION_ENV
+    from frenzy_prefect.profiling.dataset import profile_dataset
+    from frenzy_prefect.spec.plan import JOB_ENV, ParallelPlan, Placement
+    from frenzy_prefect.storage import open_uri
+    from frenzy_prefect.training.distributed import free_port
+
+    from .conftest import BUCKET
+    from .kubernetes_api import kubeconfig
+    from .test_training import NANO, make_job
+
+    placements = [Placement(node="gpu-a", host="gpu-a", gpus=[0]), Placement(node="gpu-b", host="gpu-b", gpus=[0])]
+    job = make_job(
+        profile_dataset(dataset, 64, NANO.vocab_size), f"s3://{BUCKET}/kube/watcher", ParallelPlan(dp=2, micro_batch=4), placements, steps=3
+    )
+    settings = KubernetesSettings(
+        image="frenzy:test",
+        namespace="training",
+        python=sys.executable,
+        env={"AWS_ENDPOINT_URL": os.environ["AWS_ENDPOINT_URL"], "AWS_DEFAULT_REGION": "us-east-1"},
+        storage_secret=S3_SECRET,
+        rendezvous_port=free_port(),
+        pod_spec={"terminationGracePeriodSeconds": 5},
+    )
+    sub = KubernetesSubmission(
+        settings=settings,
+        name=object_name("watcher only", RUN_ID),
+        flow_run_id=RUN_ID,
+        nodes=[NodePods(node=p.node, gpus=1, product="NVIDIA-A10") for p in placements],
+        env={JOB_ENV: job.model_dump_json()},
+    )
+    env = {**os.environ, SUBMISSION_ENV: sub.model_dump_json(), KUBECONFIG_ENV: json.dumps({"config": kubeconfig(kube.url), "context": None})}
+    env[FAILURE_FILE_ENV] = str(tmp_path / "failure.json")
+    argv = [sys.executable, "-m", "frenzy_prefect.launch.kubernetes"]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0, (done.stderr[-2000:], lines[-40:])
+    assert lines[0] == f"Submitted Kubernetes JobSet {sub.name} in namespace training on gpu-a x1, gpu-b x1"
+    pods = sorted({line.split()[1] for line in lines if line.startswith("Pod ")})
+    assert [p.rsplit("-", 1)[0] for p in pods] == [f"{sub.name}-g0-0-0", f"{sub.name}-g0-0-1"], pods
+    assert f"Pod {pods[0]} on gpu-a: Succeeded (Completed)" in lines and f"Pod {pods[1]} on gpu-b: Succeeded (Completed)" in lines
+    assert any(line.startswith(f"[{pods[1]}] frenzy-kubernetes: pod {sub.name}-g0-0-1 is node rank 1 with 1 rank(s) on GPUs 0") for line in lines)
+    assert any(f"rendezvous at {sub.name}-g0-0-0.{sub.name}:" in line for line in lines), lines
+    with open_uri(job.metrics_uri, "r") as f:
+        metrics = json.load(f)
+    assert metrics["world_size"] == 2 and len(metrics["losses"]) == 3
+
+
+# Training runs through the real pool: a Prefect server, a `frenzy` worker with launcher:
+# kubernetes (the job variables of examples/kubernetes/job-variables.yaml), the scripted cluster.
+
+KUBE_POOL, KUBE_CLUSTER, KUBE_CONFIG_BLOCK = "k8s", "k8s-test", "k8s-test-config"
+
+
+@pytest.fixture(scope="module")
+def kube_pool(kube, stack, s3, prefect_api, tmp_path_factory) -> str:
+    """What a user sets up (README, "On a Kubernetes cluster"): a KubernetesClusterConfig block,
+    `frenzy cluster discover --kubernetes --save`, a pool whose variables are the example's."""
+    import os
+    import sys
+
+    import yaml
+    from prefect_kubernetes.credentials import KubernetesClusterConfig
+
+    from frenzy_prefect.training.distributed import free_port
+
+    from .conftest import ROOT, create_pool, deploy_all
+    from .kubernetes_api import kubeconfig
+
+    with stack.client_settings():
+        KubernetesClusterConfig(config=kubeconfig(kube.url), context_name="test").save(KUBE_CONFIG_BLOCK, overwrite=True)
+    stack.run_cli("frenzy_prefect.cli", "cluster", "discover", "--kubernetes", "--cluster-config", KUBE_CONFIG_BLOCK, "--save", KUBE_CLUSTER)
+    variables = yaml.safe_load((ROOT / "examples" / "kubernetes" / "job-variables.yaml").read_text())
+    variables |= {
+        "cluster": KUBE_CLUSTER,
+        "cluster_config": KUBE_CONFIG_BLOCK,
+        "node_python": sys.executable,  # the "image" is this machine
+        "env": {"AWS_ENDPOINT_URL": os.environ["AWS_ENDPOINT_URL"], "AWS_DEFAULT_REGION": "us-east-1"},
+        "rendezvous_port": free_port(),  # every pod listens on this host's loopback, not an IP of its own
+        "working_dir": str(tmp_path_factory.mktemp("k8s-work")),
+    }
+    variables["pod_spec"] = {**variables["pod_spec"], "terminationGracePeriodSeconds": 5}
+    create_pool(stack, KUBE_POOL, variables.pop("cluster"), **variables)
+    stack.start_worker(KUBE_POOL, name="k8s-worker")
+    deploy_all(stack, pool=KUBE_POOL, name=KUBE_POOL)
+    return KUBE_POOL
+
+
+def start_kube_run(stack, dataset: str, name: str, *, gpus: int, steps: int, gpu_type: str = "A10", **request):
+    from prefect.deployments import run_deployment
+
+    from frenzy_prefect.blocks import FrenzyCluster
+
+    from .conftest import BUCKET
+    from .test_e2e import training_job
+
+    with stack.client_settings():
+        cluster = FrenzyCluster.load(KUBE_CLUSTER).cluster
+        parameters = training_job(
+            dataset, gpus=gpus, gpu_type=gpu_type, steps=steps, output=f"s3://{BUCKET}/k8s/{name}", cluster=cluster, **request
+        )
+        return run_deployment(f"distributed-train/{KUBE_POOL}", parameters=parameters, timeout=0).id
+
+
+def jobset_of(stack, run_id) -> str:
+    from .test_slurm import wait_for_log
+
+    (line,) = [m for m in wait_for_log(stack, run_id, "Submitted Kubernetes ") if m.startswith("Submitted Kubernetes ")]
+    return line.split(" in namespace ")[0].split()[-1]
+
+
+def until_true(check, timeout_s: float, what: str) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.5)
+
+
+def test_a_run_trains_through_the_pool_as_one_jobset_one_pod_per_node(kube, stack, kube_pool, dataset):
+    from .test_e2e import wait_final
+    from .test_slurm import flow_run, run_logs, wait_for_log
+
+    run_id = start_kube_run(stack, dataset, "two-pods", gpus=4, steps=6)
+    with stack.client_settings():
+        run = wait_final(run_id, timeout_s=400)
+    assert run.state.is_completed(), (run.state.message, run_logs(stack, run_id)[-30:])
+    name = jobset_of(stack, run_id)
+    # (rank 0 reports the run Completed before its last lines are sent and its process, so its pod, ends)
+    logs = wait_for_log(stack, run_id, f"Every pod of {name} Succeeded", timeout_s=60)
+    assert flow_run(stack, run_id).labels["frenzy.kubernetes-job"] == name
+    (submitted,) = [m for m in logs if m.startswith("Submitted Kubernetes ")]
+    assert submitted == f"Submitted Kubernetes JobSet {name} in namespace training on gpu-a x2, gpu-b x2", submitted
+    assert any(m.startswith(f"Pod {name}-g0-0-0-") and m.endswith("on gpu-a: Running") for m in logs), logs
+    steps = [m for m in logs if m.startswith("step ")]
+    losses = [float(m.split("loss ")[1].split()[0]) for m in steps]
+    assert steps[-1].startswith("step 6/6") and losses[-1] < losses[0]
+    pods = [p for p in kube.pods("training") if p["metadata"]["labels"].get("jobset.sigs.k8s.io/jobset-name") == name]
+    assert sorted((p["spec"]["nodeName"], p["status"]["phase"]) for p in pods) == [("gpu-a", "Succeeded"), ("gpu-b", "Succeeded")]
+    env = {e["name"]: e for e in pods[0]["spec"]["containers"][0]["env"]}
+    assert "value" not in env["AWS_SECRET_ACCESS_KEY"] and env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == S3_SECRET
+
+
+def test_cancelling_a_run_deletes_its_jobset_and_its_pods_stop(kube, stack, kube_pool, dataset):
+    from prefect.client.schemas.objects import StateType
+
+    from .test_slurm import cancel, flow_run, wait_for_log
+
+    run_id = start_kube_run(stack, dataset, "cancelled", gpus=2, steps=100_000)
+    wait_for_log(stack, run_id, "step ")
+    name = jobset_of(stack, run_id)
+    cancel(stack, run_id)
+    until_true(lambda: ("jobsets", name, "Foreground") in kube.api.deletes, 60, "the JobSet was not deleted")
+    until_true(lambda: not [p for p in kube.pods() if name in p["metadata"]["name"]], 60, "its pods stayed")
+    until_true(lambda: not [c for n, c in list(kube.containers.items()) if name in n], 30, "its containers still run")
+    until_true(lambda: flow_run(stack, run_id).state.type == StateType.CANCELLED, 60, "the run did not end Cancelled")
+
+
+@pytest.mark.faults
+def test_a_pod_killed_for_memory_crashes_the_run_naming_pod_node_and_reason(kube, stack, kube_pool, dataset):
+    from .test_slurm import flow_run, wait_for_log
+
+    run_id = start_kube_run(stack, dataset, "oom-killed", gpus=4, steps=100_000)
+    wait_for_log(stack, run_id, "step ")
+    name = jobset_of(stack, run_id)
+    (victim,) = [n for n in list(kube.containers) if n.startswith(f"{name}-g0-0-1-")]
+    kube.kill_container(victim, oom=True)
+    expected = f"pod {victim} on gpu-b failed (OOMKilled, exit code 137)"
+    until_true(lambda: (s := flow_run(stack, run_id).state).is_crashed() and expected in (s.message or ""), 90, flow_run(stack, run_id).state)
+    until_true(lambda: ("jobsets", name, "Foreground") in kube.api.deletes, 30, "the JobSet was not deleted")
+    until_true(lambda: not [c for n, c in list(kube.containers.items()) if name in n], 30, "the other pod still runs")
+
+
+@pytest.mark.faults
+def test_a_node_lost_crashes_the_run_naming_the_pod_and_node(kube, stack, kube_pool, dataset):
+    from .test_slurm import flow_run, wait_for_log
+
+    run_id = start_kube_run(stack, dataset, "node-lost", gpus=4, steps=100_000)
+    wait_for_log(stack, run_id, "step ")
+    name = jobset_of(stack, run_id)
+    try:
+        kube.lose_node("gpu-b")
+        expected = "on gpu-b was deleted before it ended (DisruptionTarget: DeletionByTaintManager)"
+        until_true(lambda: expected in (flow_run(stack, run_id).state.message or ""), 90, flow_run(stack, run_id).state)
+        assert flow_run(stack, run_id).state.is_crashed()
+        until_true(lambda: not [c for n, c in list(kube.containers.items()) if name in n], 30, "the pod on gpu-a still runs")
+    finally:
+        kube.restore_node("gpu-b")
