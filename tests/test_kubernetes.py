@@ -726,3 +726,36 @@ def test_a_node_lost_crashes_the_run_naming_the_pod_and_node(kube, stack, kube_p
         until_true(lambda: not [c for n, c in list(kube.containers.items()) if name in n], 30, "the pod on gpu-a still runs")
     finally:
         kube.restore_node("gpu-b")
+
+
+@pytest.mark.faults
+def test_a_run_whose_worker_machine_is_lost_has_its_jobset_deleted_by_the_next_worker(kube, stack, kube_pool, dataset):
+    """The worker and its watcher die together (the watcher frozen, then both killed with -9:
+    nothing deletes anything on the way out); the next worker reclaims the run: it deletes the
+    JobSet, whose pods then stop, releases the GPUs and marks the run Crashed, saying so."""
+    import os
+    import signal
+
+    import psutil
+
+    from frenzy_prefect.launch.kubernetes import SUBMISSION_ENV
+
+    from .test_slurm import flow_run, wait_for_log
+
+    run_id = start_kube_run(stack, dataset, "worker-lost", gpus=2, steps=100_000)
+    wait_for_log(stack, run_id, "step ")
+    name = jobset_of(stack, run_id)
+    worker = stack.processes["k8s-worker"]
+    (watcher,) = [p for p in psutil.Process(worker.pid).children(recursive=True) if name in p.environ().get(SUBMISSION_ENV, "")]
+    watcher.send_signal(signal.SIGSTOP)  # (its SIGTERM from the worker's death then waits, and dies with it)
+    worker.kill()
+    worker.wait()
+    os.kill(watcher.pid, signal.SIGKILL)
+    assert ("jobsets", name, "Foreground") not in kube.api.deletes and [n for n in list(kube.containers) if name in n]
+    stack.start_worker(KUBE_POOL, name="k8s-worker")
+    until_true(lambda: ("jobsets", name, "Foreground") in kube.api.deletes, 120, "the next worker did not delete the JobSet")
+    until_true(lambda: not [n for n in list(kube.containers) if name in n], 60, "the run's pods still run")
+    # (rank 0, stopped by the deletion, reports a bare SIGTERM first; the reclaim's account replaces it)
+    reclaimed = f"stopped its processes, deleted JobSet/{name} and released its GPUs"
+    until_true(lambda: reclaimed in (flow_run(stack, run_id).state.message or ""), 60, flow_run(stack, run_id).state)
+    assert flow_run(stack, run_id).state.is_crashed()

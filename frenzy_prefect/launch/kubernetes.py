@@ -179,32 +179,11 @@ class Watcher:
 
     async def delete(self) -> None:
         """Delete the run's objects, their pods first (foreground propagation); wait for the pods to go."""
-        from kubernetes_asyncio import client
-
-        ns, body = self.sub.settings.namespace, client.V1DeleteOptions(propagation_policy="Foreground")
         for obj in reversed(self.objects):
-            name = obj["metadata"]["name"]
-            try:
-                if obj["kind"] == "JobSet":
-                    group, version = JOBSET_API.split("/")
-                    await client.CustomObjectsApi(self.api).delete_namespaced_custom_object(group, version, ns, "jobsets", name, body=body)
-                elif obj["kind"] == "Service":
-                    await client.CoreV1Api(self.api).delete_namespaced_service(name, ns, body=body)
-                else:
-                    await client.BatchV1Api(self.api).delete_namespaced_job(name, ns, body=body)
-            except client.ApiException as exc:
-                if exc.status != 404:
-                    self.say(f"deleting {obj['kind']} {name} failed: {_api_reason(exc)}")
+            if problem := await delete_object(self.api, self.sub.settings.namespace, obj["kind"], obj["metadata"]["name"]):
+                self.say(problem)
         self.say(f"Deleted {self.sub.name}'s {', '.join(o['kind'] for o in self.objects)} (propagation Foreground)")
-        deadline = asyncio.get_running_loop().time() + DELETE_WAIT_S
-        while await self._pods() and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.5)
-
-    async def _pods(self) -> list[dict[str, Any]]:
-        from kubernetes_asyncio import client
-
-        found = await client.CoreV1Api(self.api).list_namespaced_pod(self.sub.settings.namespace, label_selector=self._selector())
-        return self.api.sanitize_for_serialization(found).get("items", [])
+        await until_pods_gone(self.api, self.sub.settings.namespace, self.sub.name)
 
     def _selector(self) -> str:
         return f"{JOB_LABEL}={self.sub.name}"
@@ -290,6 +269,67 @@ class Watcher:
                         self.say(f"[{pod}] {line}")
         except (TimeoutError, client.ApiException, OSError) as exc:
             self.say(f"[{pod}] log not available: {type(exc).__name__}")
+
+
+async def run_pods(api: Any, namespace: str, name: str) -> list[dict[str, Any]]:
+    """The pods of the run ``name`` (its JOB_LABEL), as JSON."""
+    from kubernetes_asyncio import client
+
+    found = await client.CoreV1Api(api).list_namespaced_pod(namespace, label_selector=f"{JOB_LABEL}={name}")
+    return api.sanitize_for_serialization(found).get("items", [])
+
+
+async def until_pods_gone(api: Any, namespace: str, name: str) -> None:
+    """Wait up to DELETE_WAIT_S for the deleted run's pods to go (their ranks get SIGTERM, then SIGKILL after the grace period)."""
+    deadline = asyncio.get_running_loop().time() + DELETE_WAIT_S
+    while await run_pods(api, namespace, name) and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.5)
+
+
+async def delete_object(api: Any, namespace: str, kind: str, name: str) -> str | None:
+    """Delete one of a run's objects (JobSet, Job or Service) with foreground propagation; what
+    went wrong in words, or None (gone already counts as deleted)."""
+    from kubernetes_asyncio import client
+
+    body = client.V1DeleteOptions(propagation_policy="Foreground")
+    try:
+        if kind == "JobSet":
+            group, version = JOBSET_API.split("/")
+            await client.CustomObjectsApi(api).delete_namespaced_custom_object(group, version, namespace, "jobsets", name, body=body)
+        elif kind == "Service":
+            await client.CoreV1Api(api).delete_namespaced_service(name, namespace, body=body)
+        else:
+            await client.BatchV1Api(api).delete_namespaced_job(name, namespace, body=body)
+    except client.ApiException as exc:
+        if exc.status != 404:
+            return f"deleting {kind} {name} failed: {_api_reason(exc)}"
+    return None
+
+
+async def delete_run_objects(api: Any, namespace: str, name: str) -> list[str]:
+    """Delete whatever of the run ``name`` (its JOB_LABEL) is left in ``namespace``, for a worker
+    that reclaims a run whose watcher is gone, and wait for its pods to go: ``Kind/name`` of each
+    deleted. Raises FrenzyError where a deletion failed."""
+    from kubernetes_asyncio import client
+
+    selector, found = f"{JOB_LABEL}={name}", []
+    group, version = JOBSET_API.split("/")
+    try:
+        jobsets = await client.CustomObjectsApi(api).list_namespaced_custom_object(group, version, namespace, "jobsets", label_selector=selector)
+        found += [("JobSet", js["metadata"]["name"]) for js in jobsets.get("items", [])]
+    except client.ApiException as exc:
+        if exc.status != 404:  # (404: the cluster serves no JobSet)
+            raise FrenzyError(f"listing the JobSets of {name} failed: {_api_reason(exc)}") from None
+    jobs = await client.BatchV1Api(api).list_namespaced_job(namespace, label_selector=selector)
+    services = await client.CoreV1Api(api).list_namespaced_service(namespace, label_selector=selector)
+    # (a JobSet's own Jobs go with it)
+    jobs = [j for j in jobs.items if not any(o.kind == "JobSet" for o in j.metadata.owner_references or [])]
+    found += [("Job", j.metadata.name) for j in jobs] + [("Service", s.metadata.name) for s in services.items]
+    for kind, obj in found:
+        if problem := await delete_object(api, namespace, kind, obj):
+            raise FrenzyError(problem)
+    await until_pods_gone(api, namespace, name)
+    return [f"{kind}/{obj}" for kind, obj in found]
 
 
 def _api_reason(exc: Any) -> str:

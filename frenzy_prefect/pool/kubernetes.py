@@ -12,7 +12,7 @@ from typing import Any
 
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.launch.command import Launch
-from frenzy_prefect.launch.kubernetes import SUBMITTED, kubernetes_launch
+from frenzy_prefect.launch.kubernetes import SUBMITTED, delete_run_objects, kubernetes_launch
 from frenzy_prefect.launch.kubernetes_client import api_client
 from frenzy_prefect.launch.kubernetes_inventory import free_counts, products, read_cluster
 from frenzy_prefect.launch.kubernetes_manifest import SECRET_ENV, KubernetesSettings, KubernetesSubmission, NodePods, object_name
@@ -135,3 +135,21 @@ def kubernetes_log_forwarder(
             await label({KUBERNETES_JOB_LABEL: line.removeprefix(SUBMITTED).split(" in namespace ")[0].split()[-1]})
 
     return forward
+
+
+async def delete_objects_of_lost_run(worker: Any, run: Any) -> list[str]:
+    """What is left in the cluster of a run whose worker (and with it, the watcher that would
+    have deleted them) is gone, deleted with foreground propagation, so that its pods do not
+    train on GPUs its reclaimed reservation no longer holds: ``Kind/name`` of each. The cluster
+    and namespace are the run's own job configuration's (the pool's template, the deployment's
+    and the run's variables)."""
+    name = run.labels.get(KUBERNETES_JOB_LABEL)
+    if not name:
+        return []
+    variables = dict((await worker.client.read_deployment(run.deployment_id)).job_variables or {}) if run.deployment_id else {}
+    variables |= run.job_variables or {}
+    configuration = await worker.job_configuration.from_template_and_values(
+        base_job_template=worker.work_pool.base_job_template, values=variables, client=worker.client
+    )
+    async with api_client(*(await cluster_connection(configuration) or (None, None))) as api:
+        return await delete_run_objects(api, configuration.namespace, name)

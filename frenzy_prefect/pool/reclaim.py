@@ -7,9 +7,10 @@ this host, or, on another host, when Prefect shows that worker OFFLINE. Then:
 
 - a run that was still waiting for GPUs had started nothing: it goes back to Scheduled, for any
   worker of the pool to take, keeping its place in the GPU queue (its creation time);
-- any other run has what is left of its processes here stopped, its GPUs released at once
-  (instead of when the lease expires) and, if not final yet, is marked Crashed, naming the
-  lost worker.
+- any other run has what is left of its processes here stopped, its Kubernetes objects deleted
+  (kubernetes launcher: its watcher, which deletes them when its worker dies, may have died
+  with the worker's machine), its GPUs released at once (instead of when the lease expires) and,
+  if not final yet, is marked Crashed, naming the lost worker.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from prefect.workers.base import BaseWorker
 
 from frenzy_prefect.launch.local import host_and_pids, is_running, stop_process_groups
 from frenzy_prefect.pool import run_labels
+from frenzy_prefect.pool.crash import crash_naming_the_cause
+from frenzy_prefect.pool.kubernetes import KUBERNETES_JOB_LABEL, delete_objects_of_lost_run
 from frenzy_prefect.pool.reservations import LEASE_S
 
 RECLAIM_WINDOW_S = 3 * LEASE_S  # a lease outlives its last renewal by at most LEASE_S plus the server's sweep
@@ -82,6 +85,7 @@ async def _reclaim(worker: BaseWorker, run: FlowRun) -> None:
     started_on, pids = host_and_pids(run.infrastructure_pid or "")
     if started_on == socket.gethostname():
         await stop_process_groups(pids)
+    deleted = await _delete_cluster_objects(worker, run)
     # Labelled before the lease goes: a holder that is not gone after all (another host's worker
     # taken for OFFLINE) then knows its lease was revoked, not forgotten (reservations.GpuHold).
     await worker.client.update_flow_run_labels(run.id, {run_labels.RECLAIMED_BY: worker.name})
@@ -89,8 +93,23 @@ async def _reclaim(worker: BaseWorker, run: FlowRun) -> None:
         await worker.client.release_concurrency_slots_with_lease(UUID(lease))  # a no-op once expired
     message = (
         f"its frenzy worker {run.labels.get(run_labels.WORKER)!r} ({owner}) is gone;"
-        f" {worker.name!r} stopped its processes and released its GPUs"
+        f" {worker.name!r} stopped its processes{f', deleted {deleted}' if deleted else ''} and released its GPUs"
     )
     worker.get_flow_run_logger(run).warning(f"Reclaimed: {message}")
-    if not (run.state is not None and run.state.is_final()):
+    if deleted:  # (its pods' rank 0, stopped by the deletion, may have reported its SIGTERM first)
+        await crash_naming_the_cause(worker.client, run.id, f"Crashed: {message}", replaces_failure=True)
+    elif not (run.state is not None and run.state.is_final()):
         await worker._propose_crashed_state(run, f"Crashed: {message}")
+
+
+async def _delete_cluster_objects(worker: BaseWorker, run: FlowRun) -> str:
+    """The run's Kubernetes objects deleted (kubernetes launcher), in words; '' where it has none.
+    A cluster that cannot be reached is logged, not raised: the reclaim goes on."""
+    try:
+        return ", ".join(await delete_objects_of_lost_run(worker, run))
+    except Exception as exc:
+        worker.get_flow_run_logger(run).warning(
+            f"Could not delete the Kubernetes objects of run {run.name!r} ({run.labels.get(KUBERNETES_JOB_LABEL)}): "
+            f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}; delete them by the label frenzy.prefect.io/job"
+        )
+        return ""
