@@ -188,12 +188,17 @@ class ScriptedCluster:
         return {
             "apiVersion": "v1",
             "kind": "Service",
-            "metadata": {"name": name, "namespace": js["metadata"]["namespace"], "ownerReferences": [owner(js)], "uid": secrets.token_hex(8)},
+            "metadata": {
+                "name": name,
+                "namespace": js["metadata"]["namespace"],
+                "ownerReferences": [owner(js)],
+                "uid": secrets.token_hex(8),
+            },
             "spec": {"clusterIP": "None", "selector": {JOBSET_NAME: js["metadata"]["name"]}, "publishNotReadyAddresses": not_ready},
         }
 
     def job_controller(self) -> None:
-        for (plural, ns, name), job in list(self.api.objects.items()):
+        for (plural, _, _), job in list(self.api.objects.items()):
             if plural != "jobs" or job["metadata"]["uid"] in self.jobs_done:
                 continue
             self.jobs_done.add(job["metadata"]["uid"])
@@ -325,7 +330,9 @@ class ScriptedCluster:
             if ref.get("optional"):
                 return None
             raise LookupError(
-                f'secret "{ref["name"]}" not found' if secret is None else f"couldn't find key {ref['key']} in Secret {namespace}/{ref['name']}"
+                f'secret "{ref["name"]}" not found'
+                if secret is None
+                else f"couldn't find key {ref['key']} in Secret {namespace}/{ref['name']}"
             )
         return base64.b64decode(secret["data"][ref["key"]]).decode()
 
@@ -429,7 +436,12 @@ class ScriptedCluster:
                 c.lost = True
                 kill_tree(c.proc.pid)
             evicted = copy.deepcopy(pod)
-            target = {"type": "DisruptionTarget", "status": "True", "reason": "DeletionByTaintManager", "message": "Taint manager: deleting due to NoExecute taint"}
+            target = {
+                "type": "DisruptionTarget",
+                "status": "True",
+                "reason": "DeletionByTaintManager",
+                "message": "Taint manager: deleting due to NoExecute taint",
+            }
             evicted["status"]["conditions"] = [*evicted["status"].get("conditions", []), target]
             self.api.put("pods", evicted)
             self.api.remove("pods", evicted)

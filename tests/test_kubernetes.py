@@ -568,7 +568,11 @@ def test_a_jobset_of_two_pods_trains_through_the_scripted_cluster(kube, dataset,
         nodes=[NodePods(node=p.node, gpus=1, product="NVIDIA-A10") for p in placements],
         env={JOB_ENV: job.model_dump_json()},
     )
-    env = {**os.environ, SUBMISSION_ENV: sub.model_dump_json(), KUBECONFIG_ENV: json.dumps({"config": kubeconfig(kube.url), "context": None})}
+    env = {
+        **os.environ,
+        SUBMISSION_ENV: sub.model_dump_json(),
+        KUBECONFIG_ENV: json.dumps({"config": kubeconfig(kube.url), "context": None}),
+    }
     env[FAILURE_FILE_ENV] = str(tmp_path / "failure.json")
     argv = [sys.executable, "-m", "frenzy_prefect.launch.kubernetes"]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
@@ -578,7 +582,9 @@ def test_a_jobset_of_two_pods_trains_through_the_scripted_cluster(kube, dataset,
     pods = sorted({line.split()[1] for line in lines if line.startswith("Pod ")})
     assert [p.rsplit("-", 1)[0] for p in pods] == [f"{sub.name}-g0-0-0", f"{sub.name}-g0-0-1"], pods
     assert f"Pod {pods[0]} on gpu-a: Succeeded (Completed)" in lines and f"Pod {pods[1]} on gpu-b: Succeeded (Completed)" in lines
-    assert any(line.startswith(f"[{pods[1]}] frenzy-kubernetes: pod {sub.name}-g0-0-1 is node rank 1 with 1 rank(s) on GPUs 0") for line in lines)
+    assert any(
+        line.startswith(f"[{pods[1]}] frenzy-kubernetes: pod {sub.name}-g0-0-1 is node rank 1 with 1 rank(s) on GPUs 0") for line in lines
+    )
     assert any(f"rendezvous at {sub.name}-g0-0-0.{sub.name}:" in line for line in lines), lines
     with open_uri(job.metrics_uri, "r") as f:
         metrics = json.load(f)
@@ -608,7 +614,9 @@ def kube_pool(kube, stack, s3, prefect_api, tmp_path_factory) -> str:
 
     with stack.client_settings():
         KubernetesClusterConfig(config=kubeconfig(kube.url), context_name="test").save(KUBE_CONFIG_BLOCK, overwrite=True)
-    stack.run_cli("frenzy_prefect.cli", "cluster", "discover", "--kubernetes", "--cluster-config", KUBE_CONFIG_BLOCK, "--save", KUBE_CLUSTER)
+    stack.run_cli(
+        "frenzy_prefect.cli", "cluster", "discover", "--kubernetes", "--cluster-config", KUBE_CONFIG_BLOCK, "--save", KUBE_CLUSTER
+    )
     variables = yaml.safe_load((ROOT / "examples" / "kubernetes" / "job-variables.yaml").read_text())
     variables |= {
         "cluster": KUBE_CLUSTER,
@@ -619,13 +627,14 @@ def kube_pool(kube, stack, s3, prefect_api, tmp_path_factory) -> str:
         "working_dir": str(tmp_path_factory.mktemp("k8s-work")),
     }
     variables["pod_spec"] = {**variables["pod_spec"], "terminationGracePeriodSeconds": 5}
+    kube.images = {variables["image"]}  # the image the nodes can pull: the example's
     create_pool(stack, KUBE_POOL, variables.pop("cluster"), **variables)
     stack.start_worker(KUBE_POOL, name="k8s-worker")
     deploy_all(stack, pool=KUBE_POOL, name=KUBE_POOL)
     return KUBE_POOL
 
 
-def start_kube_run(stack, dataset: str, name: str, *, gpus: int, steps: int, gpu_type: str = "A10", **request):
+def start_kube_run(stack, dataset: str, name: str, *, gpus: int, steps: int, gpu_type: str = "A10", job_variables=None, **request):
     from prefect.deployments import run_deployment
 
     from frenzy_prefect.blocks import FrenzyCluster
@@ -638,7 +647,7 @@ def start_kube_run(stack, dataset: str, name: str, *, gpus: int, steps: int, gpu
         parameters = training_job(
             dataset, gpus=gpus, gpu_type=gpu_type, steps=steps, output=f"s3://{BUCKET}/k8s/{name}", cluster=cluster, **request
         )
-        return run_deployment(f"distributed-train/{KUBE_POOL}", parameters=parameters, timeout=0).id
+        return run_deployment(f"distributed-train/{KUBE_POOL}", parameters=parameters, timeout=0, job_variables=job_variables).id
 
 
 def jobset_of(stack, run_id) -> str:
@@ -671,7 +680,9 @@ def test_a_run_trains_through_the_pool_as_one_jobset_one_pod_per_node(kube, stac
     assert flow_run(stack, run_id).labels["frenzy.kubernetes-job"] == name
     (submitted,) = [m for m in logs if m.startswith("Submitted Kubernetes ")]
     assert submitted == f"Submitted Kubernetes JobSet {name} in namespace training on gpu-a x2, gpu-b x2", submitted
-    assert any(m.startswith(f"Pod {name}-g0-0-0-") and m.endswith("on gpu-a: Running") for m in logs), logs
+    # (the group's two pods may go to either of its two nodes, one each)
+    running = {m.split(" on ")[1].removesuffix(": Running") for m in logs if m.startswith(f"Pod {name}-g0-0-") and m.endswith(": Running")}
+    assert running == {"gpu-a", "gpu-b"}, logs
     steps = [m for m in logs if m.startswith("step ")]
     losses = [float(m.split("loss ")[1].split()[0]) for m in steps]
     assert steps[-1].startswith("step 6/6") and losses[-1] < losses[0]
@@ -706,7 +717,9 @@ def test_a_pod_killed_for_memory_crashes_the_run_naming_pod_node_and_reason(kube
     (victim,) = [n for n in list(kube.containers) if n.startswith(f"{name}-g0-0-1-")]
     kube.kill_container(victim, oom=True)
     expected = f"pod {victim} on gpu-b failed (OOMKilled, exit code 137)"
-    until_true(lambda: (s := flow_run(stack, run_id).state).is_crashed() and expected in (s.message or ""), 90, flow_run(stack, run_id).state)
+    until_true(
+        lambda: (s := flow_run(stack, run_id).state).is_crashed() and expected in (s.message or ""), 90, flow_run(stack, run_id).state
+    )
     until_true(lambda: ("jobsets", name, "Foreground") in kube.api.deletes, 30, "the JobSet was not deleted")
     until_true(lambda: not [c for n, c in list(kube.containers.items()) if name in n], 30, "the other pod still runs")
 
@@ -759,3 +772,18 @@ def test_a_run_whose_worker_machine_is_lost_has_its_jobset_deleted_by_the_next_w
     reclaimed = f"stopped its processes, deleted JobSet/{name} and released its GPUs"
     until_true(lambda: reclaimed in (flow_run(stack, run_id).state.message or ""), 60, flow_run(stack, run_id).state)
     assert flow_run(stack, run_id).state.is_crashed()
+
+
+@pytest.mark.faults
+def test_an_image_the_nodes_cannot_pull_crashes_the_run_at_once_naming_it(kube, stack, kube_pool, dataset):
+    from .test_slurm import flow_run
+
+    image = "registry.example.com/team/frenzy-prefect:no-such-tag"
+    run_id = start_kube_run(stack, dataset, "no-image", gpus=2, steps=2, job_variables={"image": image})
+    expected = f'failed to pull image "{image}"'
+    until_true(lambda: expected in (flow_run(stack, run_id).state.message or ""), 120, flow_run(stack, run_id).state)
+    state = flow_run(stack, run_id).state
+    assert state.is_crashed() and "cannot start (ErrImagePull: " in state.message and " on gpu-a " in state.message, state.message
+    until_true(
+        lambda: not [p for p in kube.pods() if p["metadata"]["labels"].get("prefect.io/flow-run-id") == str(run_id)], 60, "pods stayed"
+    )

@@ -315,7 +315,9 @@ async def delete_run_objects(api: Any, namespace: str, name: str) -> list[str]:
     selector, found = f"{JOB_LABEL}={name}", []
     group, version = JOBSET_API.split("/")
     try:
-        jobsets = await client.CustomObjectsApi(api).list_namespaced_custom_object(group, version, namespace, "jobsets", label_selector=selector)
+        jobsets = await client.CustomObjectsApi(api).list_namespaced_custom_object(
+            group, version, namespace, "jobsets", label_selector=selector
+        )
         found += [("JobSet", js["metadata"]["name"]) for js in jobsets.get("items", [])]
     except client.ApiException as exc:
         if exc.status != 404:  # (404: the cluster serves no JobSet)
