@@ -787,3 +787,44 @@ def test_an_image_the_nodes_cannot_pull_crashes_the_run_at_once_naming_it(kube, 
     until_true(
         lambda: not [p for p in kube.pods() if p["metadata"]["labels"].get("prefect.io/flow-run-id") == str(run_id)], 60, "pods stayed"
     )
+
+
+@pytest.mark.faults
+def test_with_max_restarts_a_run_whose_node_is_lost_resumes_from_its_checkpoint_on_a_like_node(kube, stack, kube_pool, dataset):
+    """A 2-GPU run on one A10 node with max_restarts=1: that node is lost after a checkpoint; the
+    watcher deletes the run's JobSet, submits a new one on the other A10 node, and the run
+    resumes from its last complete checkpoint and completes, never leaving Running meanwhile."""
+    from frenzy_prefect.training.manifest import complete_checkpoints
+
+    from .kubernetes_cluster import finished
+    from .test_e2e import wait_final
+    from .test_slurm import flow_run, job_of_run, run_logs, wait_for_log
+
+    run_id = start_kube_run(stack, dataset, "node-restarts", gpus=2, steps=300, max_restarts=1, checkpoint_every=10, log_every=10)
+    wait_for_log(stack, run_id, "step ")
+    first, job = jobset_of(stack, run_id), job_of_run(stack, run_id)
+    until_true(lambda: complete_checkpoints(job.checkpoint_uri), 240, "no complete checkpoint")
+    (pod,) = [p for p in kube.pods("training") if p["metadata"]["name"].startswith(first) and not finished(p)]
+    node = pod["spec"]["nodeName"]
+    other = {"gpu-a": "gpu-b", "gpu-b": "gpu-a"}[node]
+    try:
+        kube.lose_node(node)
+        with stack.client_settings():
+            run = wait_final(run_id, timeout_s=400)
+    finally:
+        kube.restore_node(node)
+    logs = run_logs(stack, run_id)
+    assert run.state.is_completed(), (run.state.message, logs[-30:])
+    (restart,) = [m for m in logs if m.startswith(f"node {node} lost; restarting from step ")]
+    second = restart.split(" as ")[1].split()[0]
+    assert restart.endswith(f"as {second} on {other} x2 (0 restart(s) left)"), restart
+    submitted = [m for m in logs if m.startswith("Submitted Kubernetes JobSet ")]
+    assert [m.split()[3] for m in submitted] == [first, second] and f"on {other} x2" in submitted[1]
+    assert flow_run(stack, run_id).labels["frenzy.kubernetes-job"] == second
+    step = int(restart.split("restarting from step ")[1].split()[0])
+    assert step > 0 and any(m.startswith("resumed from ") and f"(step {step}," in m for m in logs), logs
+    from prefect.client.orchestration import get_client
+
+    with stack.client_settings(), get_client(sync_client=True) as client:
+        states = [s.type.value for s in client.read_flow_run_states(run_id)]
+    assert not {"FAILED", "CRASHED"} & set(states), states

@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from frenzy_prefect.errors import FrenzyError
+from frenzy_prefect.launch.node_restart import moved_nodes, replacements
 from frenzy_prefect.launch.slurm import SlurmSettings, SlurmSubmission, exit_code, job_state, placement, sbatch_argv
 from frenzy_prefect.launch.slurm_inventory import (
     SlurmNode,
@@ -29,7 +30,6 @@ from frenzy_prefect.launch.slurm_inventory import (
     parse_records,
     read_nodes,
 )
-from frenzy_prefect.launch.slurm_restart import moved_nodes, replacements
 from frenzy_prefect.spec.catalog import GPU_CATALOG
 from frenzy_prefect.spec.plan import JOB_ENV
 

@@ -28,8 +28,11 @@ from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.launch.command import Launch
 from frenzy_prefect.launch.failure import ended, write_report
 from frenzy_prefect.launch.kubernetes_client import api_client
-from frenzy_prefect.launch.kubernetes_manifest import JOB_LABEL, JOBSET_API, KubernetesSubmission, manifests
+from frenzy_prefect.launch.kubernetes_inventory import free_counts, read_cluster
+from frenzy_prefect.launch.kubernetes_manifest import JOB_LABEL, JOBSET_API, KubernetesSubmission, manifests, object_name
+from frenzy_prefect.launch.node_restart import moved_job, replacements, resume_point
 from frenzy_prefect.launch.watcher import ALREADY_LOGGED
+from frenzy_prefect.spec.plan import JOB_ENV, TrainingJob
 
 SUBMISSION_ENV = "FRENZY_KUBERNETES_SUBMISSION"
 KUBECONFIG_ENV = "FRENZY_KUBECONFIG"  # {"config": kubeconfig dict, "context": name or null}; absent: in-cluster
@@ -113,6 +116,8 @@ class Watcher:
         self.objects: list[dict[str, Any]] = []
         self.said: dict[str, str] = {}
         self.logs: dict[str, asyncio.Task] = {}
+        self.failed: set[str] = set()  # nodes lost in this run
+        self.restarts = 0
 
     def say(self, line: str) -> None:
         try:
@@ -121,19 +126,27 @@ class Watcher:
             pass
 
     async def run(self) -> int:
+        """Submit the run and follow it to its end; after a pod's failure, with restarts left,
+        again as new objects (on a replacement for a lost node), until one ends otherwise."""
         async with api_client(self.kubeconfig, self.context) as api:
             self.api = api
-            try:
-                await self.submit()
-            except FrenzyError as exc:
-                self.say(f"error: {exc}")
-                write_report({"command": "the Kubernetes API", "ended": f"refused the run: {exc}", "exitcode": 2})
-                return 2
-            try:
-                return await self.follow()
-            finally:
-                for task in self.logs.values():
-                    task.cancel()
+            while True:
+                try:
+                    await self.submit()
+                except FrenzyError as exc:
+                    self.say(f"error: {exc}")
+                    write_report({"command": "the Kubernetes API", "ended": f"refused the run: {exc}", "exitcode": 2})
+                    return 2
+                try:
+                    code, failure = await self.follow()
+                finally:
+                    for task in self.logs.values():
+                        task.cancel()
+                    self.logs = {}
+                if failure is None or not await self.restarted():
+                    if failure is not None:
+                        write_report(failure)
+                    return code
 
     async def submit(self) -> None:
         from kubernetes_asyncio import client
@@ -188,8 +201,9 @@ class Watcher:
     def _selector(self) -> str:
         return f"{JOB_LABEL}={self.sub.name}"
 
-    async def follow(self) -> int:
-        """Watch the run's pods until all succeed, one fails, or the run is cancelled."""
+    async def follow(self) -> tuple[int, dict[str, object] | None]:
+        """Watch the run's pods until all succeed, one fails, or the run is cancelled: (exit
+        code, the failure's account if a pod failed). A failed run's objects are deleted."""
         watching = asyncio.ensure_future(self._watch())
         cancel = asyncio.ensure_future(self.cancelled.wait())
         done, _ = await asyncio.wait({watching, cancel}, return_when=asyncio.FIRST_COMPLETED)
@@ -197,18 +211,54 @@ class Watcher:
             watching.cancel()
             self.say(f"Cancelling: deleting {self.sub.name}")
             await self.delete()
-            return 128 + signal.SIGTERM
+            return 128 + signal.SIGTERM, None
         cancel.cancel()
         outcome = watching.result()
         if outcome is None:
             # (the pods' last lines before the verdict; a log that never ends is not waited for)
             await asyncio.wait(list(self.logs.values()) or [asyncio.sleep(0)], timeout=LOG_DRAIN_S)
             self.say(f"Every pod of {self.sub.name} Succeeded")
-            return 0
-        write_report(outcome)
+            return 0, None
         self.say(f"{outcome['command']} on {outcome['node']} {outcome['ended']}")
         await self.delete()
-        return 1
+        return 1, outcome
+
+    async def restarted(self) -> bool:
+        """After a pod's failure: True when the run goes on as new objects, resuming from its
+        last complete checkpoint, a lost node replaced by a like one (launch.node_restart); a
+        restart of ``max_restarts`` spent (torchrun gets the rest inside the new pods)."""
+        if self.cancelled.is_set() or self.sub.max_restarts <= 0 or JOB_ENV not in self.sub.env:
+            return False
+        nodes, pods = await read_cluster(self.api)
+        usable = {n.name for n in nodes if n.schedulable}
+        lost = [n.node for n in self.sub.nodes if n.node not in usable]
+        self.failed |= set(lost)
+        free = free_counts(nodes, pods)
+        moves = replacements(
+            [(n.node, n.gpus) for n in self.sub.nodes],
+            lost,
+            nodes,
+            self.failed,
+            kind=lambda n: n.product,
+            free=lambda n: free.get(n.name, 0),
+        )
+        if moves is None:
+            self.say(f"node {', '.join(lost)} lost; no other node of its GPU product is Ready with its GPUs: the run cannot restart")
+            return False
+        job = moved_job(TrainingJob.model_validate_json(self.sub.env[JOB_ENV]), moves)
+        self.restarts += 1
+        self.sub = self.sub.model_copy(
+            update={
+                "name": object_name(f"{self.sub.flow_run_name or 'run'} r{self.restarts}", self.sub.flow_run_id),
+                "nodes": [n.model_copy(update={"node": moves[n.node].name}) if n.node in moves else n for n in self.sub.nodes],
+                "max_restarts": self.sub.max_restarts - 1,
+                "env": {**self.sub.env, JOB_ENV: job.model_dump_json()},
+            }
+        )
+        where = ", ".join(f"{n.node} x{n.gpus}" for n in self.sub.nodes)
+        why = f"node {', '.join(lost)} lost" if lost else "a pod failed"
+        self.say(f"{why}; restarting from {resume_point(job)} as {self.sub.name} on {where} ({self.sub.max_restarts} restart(s) left)")
+        return True
 
     async def _watch(self) -> dict[str, object] | None:
         """None once every pod Succeeded; else the first failure's account."""

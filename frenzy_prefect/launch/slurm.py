@@ -12,7 +12,7 @@ that failed, or the node a NODE_FAIL lost. SIGTERM (the worker cancelling the ru
 orphan_guard) ``scancel``s the job: Slurm sends the ranks SIGTERM first, then SIGKILL after
 KillWait. So no Slurm job outlives the worker that watches it; a new worker does not adopt it.
 With ``max_restarts``, a job that ends NODE_FAIL is followed by a new one on a replacement for
-the failed node (launch.slurm_restart), which resumes from the last complete checkpoint; the
+the failed node (launch.node_restart), which resumes from the last complete checkpoint; the
 flow run stays Running meanwhile (rank 0 leaves without a final state while restarts are left).
 """
 
@@ -32,9 +32,9 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.launch.command import Launch
 from frenzy_prefect.launch.failure import read_report, write_report
+from frenzy_prefect.launch.node_restart import moved_job, moved_nodes, replacements, resume_point
 from frenzy_prefect.launch.slurm_inventory import SlurmNode, parse_records, read_nodes, run_cli, slurm_env
 from frenzy_prefect.launch.slurm_job import SPEC_ENV, failure_file, node_order
-from frenzy_prefect.launch.slurm_restart import moved_job, moved_nodes, replacements
 from frenzy_prefect.launch.watcher import ALREADY_LOGGED
 from frenzy_prefect.spec.plan import JOB_ENV, TrainingJob
 
@@ -230,7 +230,7 @@ class Watcher:
 
     def run(self) -> int:
         """Submit the job and follow it to its end; after a node failure, with restarts left,
-        again on a replacement node (launch.slurm_restart), until one ends otherwise."""
+        again on a replacement node (launch.node_restart), until one ends otherwise."""
         while True:
             log_dir = Path(tempfile.mkdtemp(prefix=f"{self.sub.job_name}-", dir=self._log_root()))
             try:
@@ -346,17 +346,6 @@ class Watcher:
         """The job's nodes that Slurm has down or failing now."""
         nodes = read_nodes(self.conf, [n for n, _ in self.sub.nodes])
         return [n.name for n in nodes if not n.schedulable] or [n for n, _ in self.sub.nodes]
-
-
-def resume_point(job: TrainingJob) -> str:
-    """``step S``: the step of the checkpoint a restarted job resumes from (``step 0``: none)."""
-    from frenzy_prefect.training.manifest import latest  # object storage's clients: only when a run restarts
-
-    try:
-        found = latest(job.checkpoint_uri)
-    except Exception:  # storage unreachable from here: the new job's rank 0 logs what it resumed from
-        return "its last complete checkpoint"
-    return f"step {found[1].step if found else 0}"
 
 
 def main() -> int:

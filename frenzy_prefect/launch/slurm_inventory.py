@@ -133,6 +133,10 @@ class SlurmNode:
     def gpus_free(self) -> int:
         return max(0, self.gpus - self.gpus_used) if self.schedulable else 0
 
+    @property
+    def address(self) -> str:
+        return self.addr
+
 
 def node_of(record: dict[str, str]) -> SlurmNode:
     gres, used = _gpus(record.get("Gres", "")), _gpus(record.get("GresUsed", ""))
