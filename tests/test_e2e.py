@@ -121,18 +121,21 @@ def test_a_request_is_trained_on_the_chosen_gpus_through_the_worker(stack, runs,
     assert progress[0].startswith("step 1/30 loss") and progress[-1].startswith("step 30/30 loss")
 
 
-def training_events(stack, training_run: UUID, until: str, timeout_s: float = 30) -> list[dict]:
-    """The frenzy.training.* events about a training flow run, once ``until`` is among them (the
-    server stores events a moment after they are sent)."""
-    about = {"event": {"prefix": ["frenzy.training."]}, "any_resource": {"id": [f"prefect.flow-run.{training_run}"]}}
+def run_events(stack, run_id: UUID, prefix: str, done, timeout_s: float = 30) -> list[dict]:
+    """The events named ``prefix``... about a flow run (its resource or a related one), once
+    ``done(events)`` (the server stores events a moment after they are sent)."""
+    about = {"event": {"prefix": [prefix]}, "any_resource": {"id": [f"prefect.flow-run.{run_id}"]}}
     deadline = time.monotonic() + timeout_s
     with stack.client_settings(), get_client(sync_client=True) as client:
-        while True:
-            events = client._client.post("/events/filter", json={"filter": about}).json()["events"]
-            if any(e["event"] == until for e in events):
-                return events
-            assert time.monotonic() < deadline, [e["event"] for e in events]
+        while not done(events := client._client.post("/events/filter", json={"filter": about}).json()["events"]):
+            assert time.monotonic() < deadline, [(e["event"], e["resource"]) for e in events]
             time.sleep(0.5)
+    return events
+
+
+def training_events(stack, training_run: UUID, until: str, timeout_s: float = 30) -> list[dict]:
+    """The frenzy.training.* events about a training flow run, once ``until`` is among them."""
+    return run_events(stack, training_run, "frenzy.training.", lambda events: any(e["event"] == until for e in events), timeout_s)
 
 
 @pytest.mark.pipelines

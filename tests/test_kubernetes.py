@@ -23,7 +23,9 @@ from frenzy_prefect.launch.kubernetes_manifest import (
     object_name,
 )
 
+from .kubernetes_cluster import node_object as kube_node
 from .kubernetes_schemas import VERSIONS, Invalid, validate, validate_everywhere
+from .test_faults import wait_for
 
 pytestmark = pytest.mark.kubernetes
 
@@ -185,19 +187,6 @@ def test_the_validator_catches_an_unknown_field_a_wrong_type_and_a_gpu_request_u
 
 
 # The inventory: nodes' allocatable GPUs and labels, what running pods hold.
-
-
-def kube_node(name: str, gpus: int, product: str | None, memory: int | None = None, ready: bool = True, cordoned: bool = False) -> dict:
-    labels = {"kubernetes.io/hostname": name}
-    if product:
-        labels["nvidia.com/gpu.product"] = product
-    if memory:
-        labels["nvidia.com/gpu.memory"] = str(memory)
-    return {
-        "metadata": {"name": name, "labels": labels},
-        "spec": {"unschedulable": True} if cordoned else {},
-        "status": {"allocatable": {"cpu": "64", "nvidia.com/gpu": str(gpus)}, "conditions": [{"type": "Ready", "status": str(ready)}]},
-    }
 
 
 def kube_pod(node: str, gpus: int, phase: str = "Running", limit_only: bool = False) -> dict:
@@ -479,7 +468,7 @@ def test_discover_kubernetes_reads_the_cluster_through_the_api_as_a_user_runs_it
 
     server = ApiServer()
     for n in (kube_node("a1", 4, "NVIDIA-A10"), kube_node("h1", 8, "NVIDIA-H100-80GB-HBM3", 81559), kube_node("cpu", 0, None)):
-        server.put("nodes", {"apiVersion": "v1", "kind": "Node", **n}, "ADDED")
+        server.put("nodes", n, "ADDED")
     theirs = kube_pod("a1", 3)
     theirs |= {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "not-ours", "namespace": "default"}}
     theirs["spec"]["containers"] = [{**c, "image": "x"} for c in theirs["spec"]["containers"]]
@@ -657,17 +646,8 @@ def jobset_of(stack, run_id) -> str:
     return line.split(" in namespace ")[0].split()[-1]
 
 
-def until_true(check, timeout_s: float, what: str) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.5)
-
-
 def test_a_run_trains_through_the_pool_as_one_jobset_one_pod_per_node(kube, stack, kube_pool, dataset):
-    from .test_e2e import wait_final
+    from .test_e2e import run_events, wait_final
     from .test_slurm import flow_run, run_logs, wait_for_log
 
     run_id = start_kube_run(stack, dataset, "two-pods", gpus=4, steps=6)
@@ -688,6 +668,17 @@ def test_a_run_trains_through_the_pool_as_one_jobset_one_pod_per_node(kube, stac
     assert steps[-1].startswith("step 6/6") and losses[-1] < losses[0]
     pods = [p for p in kube.pods("training") if p["metadata"]["labels"].get("jobset.sigs.k8s.io/jobset-name") == name]
     assert sorted((p["spec"]["nodeName"], p["status"]["phase"]) for p in pods) == [("gpu-a", "Succeeded"), ("gpu-b", "Succeeded")]
+    # prefect-kubernetes' pod events, related to the flow run
+    names = {p["metadata"]["name"] for p in pods}
+
+    def all_succeeded(found: list[dict]) -> bool:
+        return {e["resource"]["prefect.resource.name"] for e in found if e["event"].endswith(".succeeded")} == names
+
+    events = sorted(run_events(stack, run_id, "prefect.kubernetes.pod.", all_succeeded), key=lambda e: e["occurred"])
+    for pod in names:
+        mine = [e for e in events if e["resource"]["prefect.resource.name"] == pod]
+        assert {"prefect.kubernetes.pod.running", "prefect.kubernetes.pod.succeeded"} <= {e["event"] for e in mine}, mine
+        assert mine[0]["resource"]["kubernetes.namespace"] == "training" and mine[0]["resource"]["kubernetes.node"] in ("gpu-a", "gpu-b")
     env = {e["name"]: e for e in pods[0]["spec"]["containers"][0]["env"]}
     assert "value" not in env["AWS_SECRET_ACCESS_KEY"] and env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == S3_SECRET
 
@@ -701,10 +692,10 @@ def test_cancelling_a_run_deletes_its_jobset_and_its_pods_stop(kube, stack, kube
     wait_for_log(stack, run_id, "step ")
     name = jobset_of(stack, run_id)
     cancel(stack, run_id)
-    until_true(lambda: ("jobsets", name, "Foreground") in kube.api.deletes, 60, "the JobSet was not deleted")
-    until_true(lambda: not [p for p in kube.pods() if name in p["metadata"]["name"]], 60, "its pods stayed")
-    until_true(lambda: not [c for n, c in list(kube.containers.items()) if name in n], 30, "its containers still run")
-    until_true(lambda: flow_run(stack, run_id).state.type == StateType.CANCELLED, 60, "the run did not end Cancelled")
+    wait_for("the JobSet deleted", lambda: ("jobsets", name, "Foreground") in kube.api.deletes, 60)
+    wait_for("its pods gone", lambda: not [p for p in kube.pods() if name in p["metadata"]["name"]], 60)
+    wait_for("its containers stopped", lambda: not [c for n, c in list(kube.containers.items()) if name in n], 30)
+    wait_for("the run Cancelled", lambda: flow_run(stack, run_id).state.type == StateType.CANCELLED, 60)
 
 
 @pytest.mark.faults
@@ -717,11 +708,11 @@ def test_a_pod_killed_for_memory_crashes_the_run_naming_pod_node_and_reason(kube
     (victim,) = [n for n in list(kube.containers) if n.startswith(f"{name}-g0-0-1-")]
     kube.kill_container(victim, oom=True)
     expected = f"pod {victim} on gpu-b failed (OOMKilled, exit code 137)"
-    until_true(
-        lambda: (s := flow_run(stack, run_id).state).is_crashed() and expected in (s.message or ""), 90, flow_run(stack, run_id).state
+    wait_for(
+        "the run crashed naming the cause", lambda: (s := flow_run(stack, run_id).state).is_crashed() and expected in (s.message or ""), 90
     )
-    until_true(lambda: ("jobsets", name, "Foreground") in kube.api.deletes, 30, "the JobSet was not deleted")
-    until_true(lambda: not [c for n, c in list(kube.containers.items()) if name in n], 30, "the other pod still runs")
+    wait_for("the JobSet deleted", lambda: ("jobsets", name, "Foreground") in kube.api.deletes, 30)
+    wait_for("the other pod stopped", lambda: not [c for n, c in list(kube.containers.items()) if name in n], 30)
 
 
 @pytest.mark.faults
@@ -734,9 +725,9 @@ def test_a_node_lost_crashes_the_run_naming_the_pod_and_node(kube, stack, kube_p
     try:
         kube.lose_node("gpu-b")
         expected = "on gpu-b was deleted before it ended (DisruptionTarget: DeletionByTaintManager)"
-        until_true(lambda: expected in (flow_run(stack, run_id).state.message or ""), 90, flow_run(stack, run_id).state)
+        wait_for("the run crashed naming the cause", lambda: expected in (flow_run(stack, run_id).state.message or ""), 90)
         assert flow_run(stack, run_id).state.is_crashed()
-        until_true(lambda: not [c for n, c in list(kube.containers.items()) if name in n], 30, "the pod on gpu-a still runs")
+        wait_for("the pod on gpu-a stopped", lambda: not [c for n, c in list(kube.containers.items()) if name in n], 30)
     finally:
         kube.restore_node("gpu-b")
 
@@ -766,11 +757,11 @@ def test_a_run_whose_worker_machine_is_lost_has_its_jobset_deleted_by_the_next_w
     os.kill(watcher.pid, signal.SIGKILL)
     assert ("jobsets", name, "Foreground") not in kube.api.deletes and [n for n in list(kube.containers) if name in n]
     stack.start_worker(KUBE_POOL, name="k8s-worker")
-    until_true(lambda: ("jobsets", name, "Foreground") in kube.api.deletes, 120, "the next worker did not delete the JobSet")
-    until_true(lambda: not [n for n in list(kube.containers) if name in n], 60, "the run's pods still run")
+    wait_for("the next worker deleting the JobSet", lambda: ("jobsets", name, "Foreground") in kube.api.deletes, 120)
+    wait_for("the run's pods stopped", lambda: not [n for n in list(kube.containers) if name in n], 60)
     # (rank 0, stopped by the deletion, reports a bare SIGTERM first; the reclaim's account replaces it)
     reclaimed = f"stopped its processes, deleted JobSet/{name} and released its GPUs"
-    until_true(lambda: reclaimed in (flow_run(stack, run_id).state.message or ""), 60, flow_run(stack, run_id).state)
+    wait_for("the run crashed naming the cause", lambda: reclaimed in (flow_run(stack, run_id).state.message or ""), 60)
     assert flow_run(stack, run_id).state.is_crashed()
 
 
@@ -781,11 +772,11 @@ def test_an_image_the_nodes_cannot_pull_crashes_the_run_at_once_naming_it(kube, 
     image = "registry.example.com/team/frenzy-prefect:no-such-tag"
     run_id = start_kube_run(stack, dataset, "no-image", gpus=2, steps=2, job_variables={"image": image})
     expected = f'failed to pull image "{image}"'
-    until_true(lambda: expected in (flow_run(stack, run_id).state.message or ""), 120, flow_run(stack, run_id).state)
+    wait_for("the run crashed naming the cause", lambda: expected in (flow_run(stack, run_id).state.message or ""), 120)
     state = flow_run(stack, run_id).state
     assert state.is_crashed() and "cannot start (ErrImagePull: " in state.message and " on gpu-a " in state.message, state.message
-    until_true(
-        lambda: not [p for p in kube.pods() if p["metadata"]["labels"].get("prefect.io/flow-run-id") == str(run_id)], 60, "pods stayed"
+    wait_for(
+        "its pods gone", lambda: not [p for p in kube.pods() if p["metadata"]["labels"].get("prefect.io/flow-run-id") == str(run_id)], 60
     )
 
 
@@ -800,10 +791,10 @@ def test_with_max_restarts_a_run_whose_node_is_lost_resumes_from_its_checkpoint_
     from .test_e2e import wait_final
     from .test_slurm import flow_run, job_of_run, run_logs, wait_for_log
 
-    run_id = start_kube_run(stack, dataset, "node-restarts", gpus=2, steps=300, max_restarts=1, checkpoint_every=10, log_every=10)
+    run_id = start_kube_run(stack, dataset, "node-restarts", gpus=2, steps=120, max_restarts=1, checkpoint_every=10, log_every=10)
     wait_for_log(stack, run_id, "step ")
     first, job = jobset_of(stack, run_id), job_of_run(stack, run_id)
-    until_true(lambda: complete_checkpoints(job.checkpoint_uri), 240, "no complete checkpoint")
+    wait_for("a complete checkpoint", lambda: complete_checkpoints(job.checkpoint_uri), 240)
     (pod,) = [p for p in kube.pods("training") if p["metadata"]["name"].startswith(first) and not finished(p)]
     node = pod["spec"]["nodeName"]
     other = {"gpu-a": "gpu-b", "gpu-b": "gpu-a"}[node]

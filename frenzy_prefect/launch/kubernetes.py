@@ -10,9 +10,12 @@ sent to the run's log itself. It exits 0 once every pod Succeeded. A pod that Fa
 evicted, deleted from under the run (its node lost) or cannot start (its image cannot be pulled,
 its Secret is missing) fails the run: the watcher writes the failure's account (pod, node,
 reason, the rank from the pod's termination message) to the launcher's failure file, deletes the
-run's objects with foreground propagation (their pods go first) and exits non-zero. SIGTERM (the
+run's objects with foreground propagation (their pods go first) and exits non-zero; with
+``max_restarts`` left it submits new objects instead (``<run> r1``, ...), on a like node for one
+that is lost (launch.node_restart), which resume from the last complete checkpoint. SIGTERM (the
 worker cancelling the run, or dying: orphan_guard) deletes them the same way. So no JobSet
-outlives the worker that watches it; a new worker does not adopt one.
+outlives the worker that watches it; where the watcher dies with it, the worker that reclaims
+the run deletes them (delete_run_objects, pool.reclaim); no worker adopts one.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import sys
 from typing import Any
@@ -90,6 +94,10 @@ def failure_report(pod: dict[str, Any], why: str) -> dict[str, object]:
     rank = rank_of(pod)
     who = f"pod {name}" + (f" (rank {rank['rank']}, pid {rank.get('pid', '?')} {ended(int(rank['exitcode']))})" if rank else "")
     return {"command": who, "node": node, "ended": why, **({"rank": rank["rank"]} if rank else {})}
+
+
+# The watcher's line for a pod's phase change, which the worker also reads (its pod events).
+PHASE_LINE = re.compile(r"^Pod (?P<pod>\S+) on (?P<node>\S+): (?P<phase>[A-Za-z]+)(?: \((?P<reason>[^)]*)\))?$")
 
 
 def phase_line(pod: dict[str, Any]) -> str:

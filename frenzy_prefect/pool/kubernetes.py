@@ -7,12 +7,15 @@ free to no run of the pool)."""
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from prefect.events import emit_event
+
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.launch.command import Launch
-from frenzy_prefect.launch.kubernetes import SUBMITTED, delete_run_objects, kubernetes_launch
+from frenzy_prefect.launch.kubernetes import PHASE_LINE, SUBMITTED, delete_run_objects, kubernetes_launch
 from frenzy_prefect.launch.kubernetes_client import api_client
 from frenzy_prefect.launch.kubernetes_inventory import free_counts, products, read_cluster
 from frenzy_prefect.launch.kubernetes_manifest import SECRET_ENV, KubernetesSettings, KubernetesSubmission, NodePods, object_name
@@ -125,16 +128,47 @@ def kubernetes_free_narrowing(kubeconfig: tuple[dict[str, Any], str | None] | No
 
 
 def kubernetes_log_forwarder(
-    logger: logging.LoggerAdapter, label: Callable[[dict[str, str]], Awaitable[None]]
+    logger: logging.LoggerAdapter, label: Callable[[dict[str, str]], Awaitable[None]], flow_run: Any, pool: str, pool_id: Any
 ) -> Callable[[str], Awaitable[None]]:
-    """The watcher's lines into the run's log; its JobSet's name into the run's labels."""
+    """The watcher's lines into the run's log; its JobSet's name into the run's labels; each
+    pod's phase change as a ``prefect.kubernetes.pod.<phase>`` event (pod_event)."""
+    namespace = ""
 
     async def forward(line: str) -> None:
+        nonlocal namespace
         logger.info(line)
         if line.startswith(SUBMITTED):
-            await label({KUBERNETES_JOB_LABEL: line.removeprefix(SUBMITTED).split(" in namespace ")[0].split()[-1]})
+            head, _, tail = line.removeprefix(SUBMITTED).partition(" in namespace ")
+            namespace = tail.split()[0] if tail else ""
+            await label({KUBERNETES_JOB_LABEL: head.split()[-1]})
+        elif found := PHASE_LINE.match(line):
+            pod_event(found, namespace, flow_run, pool, pool_id)
 
     return forward
+
+
+def pod_event(phase: re.Match[str], namespace: str, flow_run: Any, pool: str, pool_id: Any) -> None:
+    """prefect-kubernetes' pod event (its observer's names: ``prefect.kubernetes.pod.running``,
+    ...; the resource ``prefect.kubernetes.pod.<name>``, where the observer uses the pod's uid,
+    which the watcher's line does not carry: a run's pod names are its own), related to the flow
+    run and the work pool, so automations written for prefect-kubernetes' pods match ours."""
+    resource = {
+        "prefect.resource.id": f"prefect.kubernetes.pod.{phase['pod']}",
+        "prefect.resource.name": phase["pod"],
+        "kubernetes.namespace": namespace,
+        "kubernetes.node": phase["node"],
+    }
+    if phase["reason"]:
+        resource["kubernetes.reason"] = phase["reason"]
+    related = [
+        {
+            "prefect.resource.id": f"prefect.flow-run.{flow_run.id}",
+            "prefect.resource.role": "flow-run",
+            "prefect.resource.name": flow_run.name,
+        },
+        {"prefect.resource.id": f"prefect.work-pool.{pool_id}", "prefect.resource.role": "work-pool", "prefect.resource.name": pool},
+    ]
+    emit_event(event=f"prefect.kubernetes.pod.{phase['phase'].lower()}", resource=resource, related=related)
 
 
 async def delete_objects_of_lost_run(worker: Any, run: Any) -> list[str]:

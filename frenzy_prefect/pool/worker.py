@@ -338,7 +338,13 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, Any, FrenzyWorkerResult]):
             launches = self.launches_for(configuration, job, credentials)
         with tempfile.TemporaryDirectory(prefix="frenzy-ssh-") as keys:
             if job is not None and configuration.launcher == "kubernetes":
-                forward = kubernetes_log_forwarder(self.get_flow_run_logger(flow_run), lambda labels: self._label(flow_run, labels))
+                forward = kubernetes_log_forwarder(
+                    self.get_flow_run_logger(flow_run),
+                    lambda labels: self._label(flow_run, labels),
+                    flow_run,
+                    self._work_pool_name,
+                    self.work_pool.id,
+                )
                 group = await start_watcher(launches[0], forward, cwd=configuration.working_dir)
             elif job is not None and configuration.launcher == "slurm":
                 forward = slurm_log_forwarder(self.get_flow_run_logger(flow_run), lambda labels: self._label(flow_run, labels))
