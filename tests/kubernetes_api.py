@@ -78,7 +78,7 @@ class ApiServer:
 
     def _notify(self, plural: str, event: str, obj: dict[str, Any]) -> None:
         for p, ns, selector, queue in self.watchers:
-            if p == plural and ns == obj["metadata"].get("namespace") and _matches(obj, selector):
+            if p == plural and ns == obj["metadata"].get("namespace") and matches(obj, selector):
                 queue.put_nowait({"type": event, "object": copy.deepcopy(obj)})
 
     async def discovery(self, request: web.Request) -> web.Response:
@@ -129,7 +129,7 @@ class ApiServer:
         selector = _selector(request.query.get("labelSelector", ""))
         if request.query.get("watch", "").lower() in ("true", "1"):
             return await self._watch(request, plural, ns, selector)
-        items = [o for (p, n, _), o in self.objects.items() if p == plural and n == ns and _matches(o, selector)]
+        items = [o for (p, n, _), o in self.objects.items() if p == plural and n == ns and matches(o, selector)]
         kind = KINDS.get(plural, ("v1", "List"))
         return web.json_response(
             {"kind": f"{kind[1]}List", "apiVersion": kind[0], "metadata": {"resourceVersion": str(self.version)}, "items": items}
@@ -219,7 +219,7 @@ def _selector(text: str) -> dict[str, str]:
     return dict(part.split("=", 1) for part in text.split(",") if "=" in part)
 
 
-def _matches(obj: dict[str, Any], selector: dict[str, str]) -> bool:
+def matches(obj: dict[str, Any], selector: dict[str, str]) -> bool:
     labels = obj.get("metadata", {}).get("labels", {}) or {}
     return all(labels.get(k) == v for k, v in selector.items())
 

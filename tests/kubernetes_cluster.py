@@ -41,9 +41,10 @@ from typing import Any
 
 import psutil
 
+from frenzy_prefect.launch.kubernetes_inventory import node_of, pod_gpus
 from frenzy_prefect.launch.kubernetes_manifest import GPU_RESOURCE, HOSTNAME_LABEL, MEMORY_LABEL, PRODUCT_LABEL
 
-from .kubernetes_api import ApiServer, serve_in_thread
+from .kubernetes_api import ApiServer, matches, serve_in_thread
 
 TICK_S = 0.2
 DEFAULT_GRACE_S = 30
@@ -97,10 +98,6 @@ def _matches_expression(labels: dict[str, str], e: dict[str, Any]) -> bool:
     }[e["operator"]]
 
 
-def gpus_of(pod: dict[str, Any]) -> int:
-    return sum(int(c.get("resources", {}).get("limits", {}).get(GPU_RESOURCE, 0)) for c in pod["spec"]["containers"])
-
-
 def finished(pod: dict[str, Any]) -> bool:
     return pod.get("status", {}).get("phase") in ("Succeeded", "Failed")
 
@@ -110,8 +107,10 @@ class Container:
     """A pod's running process and what the kubelet keeps for it."""
 
     proc: subprocess.Popen
+    node: str
     log: Path
     hosts: Path
+    hosts_text: str  # what the hosts file holds now
     message: Path
     gpus: list[int]
     stop_at: float | None = None  # when SIGKILL follows the SIGTERM of a deletion
@@ -140,10 +139,6 @@ class ScriptedCluster:
 
     def pods(self, namespace: str | None = None) -> list[dict[str, Any]]:
         return [o for (p, ns, _), o in list(self.api.objects.items()) if p == "pods" and namespace in (None, ns)]
-
-    def pod_pid(self, name: str) -> int | None:
-        c = self.containers.get(name)
-        return c.proc.pid if c and c.proc.poll() is None else None
 
     # The controllers: one pass each per tick.
 
@@ -246,8 +241,7 @@ class ScriptedCluster:
 
     def _nodes(self) -> list[dict[str, Any]]:
         nodes = sorted((o for (p, _, _), o in self.api.objects.items() if p == "nodes"), key=lambda n: n["metadata"]["name"])
-        ready = [n for n in nodes if any(c["type"] == "Ready" and c["status"] == "True" for c in n["status"]["conditions"])]
-        return [n for n in ready if not n.get("spec", {}).get("unschedulable")]
+        return [n for n in nodes if node_of(n).schedulable]
 
     def _fits(self, pod: dict[str, Any], node: dict[str, Any]) -> bool:
         name, labels = node["metadata"]["name"], node["metadata"]["labels"]
@@ -257,10 +251,9 @@ class ScriptedCluster:
             return False
         here = [p for p in self.pods() if p["spec"].get("nodeName") == name and not finished(p)]
         for term in affinity.get("podAntiAffinity", {}).get("requiredDuringSchedulingIgnoredDuringExecution", []):
-            wanted = term["labelSelector"].get("matchLabels", {})
-            if any(all(p["metadata"].get("labels", {}).get(k) == v for k, v in wanted.items()) for p in here):
+            if any(matches(p, term["labelSelector"].get("matchLabels", {})) for p in here):
                 return False
-        return int(node["status"]["allocatable"].get(GPU_RESOURCE, 0)) - sum(map(gpus_of, here)) >= gpus_of(pod)
+        return int(node["status"]["allocatable"].get(GPU_RESOURCE, 0)) - sum(map(pod_gpus, here)) >= pod_gpus(pod)
 
     # The kubelet.
 
@@ -280,7 +273,8 @@ class ScriptedCluster:
             if code is None and c.stop_at is not None and now >= c.stop_at:
                 kill_tree(c.proc.pid)
             if code is None:
-                self._refresh_hosts(c, pod)
+                if pod is not None:
+                    self._write_hosts(c, pod)
                 continue
             kill_tree(c.proc.pid)  # what the container's cgroup held goes with it
             del self.containers[name]
@@ -348,12 +342,12 @@ class ScriptedCluster:
         target = c.get("terminationMessagePath", str(TERMINATION_TARGET))
         argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", ENTRY, name, str(hosts), str(message), target]
         argv += [*c.get("command", []), *c.get("args", [])]
-        container = Container(proc=None, log=log, hosts=hosts, message=message, gpus=gpus)  # type: ignore[arg-type]
-        self._refresh_hosts(container, pod)
+        hosts.write_text(hosts_text := self._hosts_text(pod))
         with open(log, "wb") as out:
-            container.proc = subprocess.Popen(
+            proc = subprocess.Popen(
                 argv, env=env, cwd=home, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
             )
+        container = Container(proc, pod["spec"]["nodeName"], log, hosts, hosts_text, message, gpus)
         self.containers[name] = container
         self.api.log_files[name] = (log, lambda: container.proc.poll() is None)
         running = copy.deepcopy(pod)
@@ -369,25 +363,24 @@ class ScriptedCluster:
 
     def _device_plugin(self, pod: dict[str, Any]) -> list[int]:
         """The node's GPU indices no other running container holds, as many as the pod asks for."""
-        node = pod["spec"]["nodeName"]
-        taken = {g for n, c in self.containers.items() for g in c.gpus if (p := self._pod_named(n)) and p["spec"].get("nodeName") == node}
-        return [i for i in range(64) if i not in taken][: gpus_of(pod)]
+        taken = {g for c in self.containers.values() if c.node == pod["spec"]["nodeName"] for g in c.gpus}
+        return [i for i in range(64) if i not in taken][: pod_gpus(pod)]
 
-    def _pod_named(self, name: str) -> dict[str, Any] | None:
-        return next((p for p in self.pods() if p["metadata"]["name"] == name), None)
-
-    def _refresh_hosts(self, c: Container, pod: dict[str, Any] | None) -> None:
-        """Cluster DNS as the pod's /etc/hosts, rewritten in place (the bind mount follows the file)."""
+    def _hosts_text(self, pod: dict[str, Any]) -> str:
+        """Cluster DNS for the pod, as its /etc/hosts: every name a headless Service gives a pod of its namespace."""
         names = ["127.0.0.1 localhost"]
-        if pod is not None:
-            for q in self.pods(pod["metadata"]["namespace"]):
-                if (fqdn := self._dns_name(q)) is not None:
-                    names.append(f"127.0.0.1 {fqdn} {fqdn}.{q['metadata']['namespace']}.svc.cluster.local")
-        text = "\n".join(names) + "\n"
-        if not c.hosts.exists() or c.hosts.read_text() != text:
-            with open(c.hosts, "r+" if c.hosts.exists() else "w") as f:
+        for q in self.pods(pod["metadata"]["namespace"]):
+            if (fqdn := self._dns_name(q)) is not None:
+                names.append(f"127.0.0.1 {fqdn} {fqdn}.{q['metadata']['namespace']}.svc.cluster.local")
+        return "\n".join(names) + "\n"
+
+    def _write_hosts(self, c: Container, pod: dict[str, Any]) -> None:
+        """The pod's /etc/hosts anew where cluster DNS changed, rewritten in place (the bind mount follows the file's inode)."""
+        if (text := self._hosts_text(pod)) != c.hosts_text:
+            with open(c.hosts, "r+") as f:
                 f.write(text)
                 f.truncate()
+            c.hosts_text = text
 
     def _dns_name(self, pod: dict[str, Any]) -> str | None:
         """``<hostname>.<subdomain>`` where a headless Service named by the subdomain selects the pod."""
@@ -397,9 +390,8 @@ class ScriptedCluster:
         svc = self.api.objects.get(("services", ns, spec["subdomain"]))
         if svc is None or svc["spec"].get("clusterIP") != "None":
             return None
-        labels = pod["metadata"].get("labels", {})
         ready_or_published = svc["spec"].get("publishNotReadyAddresses") or pod["status"].get("phase") == "Running"
-        if not ready_or_published or any(labels.get(k) != v for k, v in svc["spec"].get("selector", {}).items()):
+        if not ready_or_published or not matches(pod, svc["spec"].get("selector", {})):
             return None
         return f"{spec['hostname']}.{spec['subdomain']}"
 

@@ -206,9 +206,6 @@ class Watcher:
         self.say(f"Deleted {self.sub.name}'s {', '.join(o['kind'] for o in self.objects)} (propagation Foreground)")
         await until_pods_gone(self.api, self.sub.settings.namespace, self.sub.name)
 
-    def _selector(self) -> str:
-        return f"{JOB_LABEL}={self.sub.name}"
-
     async def follow(self) -> tuple[int, dict[str, object] | None]:
         """Watch the run's pods until all succeed, one fails, or the run is cancelled: (exit
         code, the failure's account if a pod failed). A failed run's objects are deleted."""
@@ -276,14 +273,14 @@ class Watcher:
         pods: dict[str, dict[str, Any]] = {}
         version = None
         while True:
-            listed = self.api.sanitize_for_serialization(await core.list_namespaced_pod(ns, label_selector=self._selector()))
+            listed = self.api.sanitize_for_serialization(await core.list_namespaced_pod(ns, label_selector=run_selector(self.sub.name)))
             version = listed.get("metadata", {}).get("resourceVersion")
             events = [("ADDED", p) for p in listed.get("items", [])]
             for kind, pod in events:
                 if (outcome := self._on_pod(kind, pod, pods)) is not False:
                     return outcome  # type: ignore[return-value]
             stream = watch.Watch().stream(
-                core.list_namespaced_pod, ns, label_selector=self._selector(), resource_version=version, timeout_seconds=WATCH_S
+                core.list_namespaced_pod, ns, label_selector=run_selector(self.sub.name), resource_version=version, timeout_seconds=WATCH_S
             )
             async with stream as events_stream:
                 async for event in events_stream:
@@ -329,11 +326,16 @@ class Watcher:
             self.say(f"[{pod}] log not available: {type(exc).__name__}")
 
 
+def run_selector(name: str) -> str:
+    """The label selector of the run ``name``'s objects and pods."""
+    return f"{JOB_LABEL}={name}"
+
+
 async def run_pods(api: Any, namespace: str, name: str) -> list[dict[str, Any]]:
     """The pods of the run ``name`` (its JOB_LABEL), as JSON."""
     from kubernetes_asyncio import client
 
-    found = await client.CoreV1Api(api).list_namespaced_pod(namespace, label_selector=f"{JOB_LABEL}={name}")
+    found = await client.CoreV1Api(api).list_namespaced_pod(namespace, label_selector=run_selector(name))
     return api.sanitize_for_serialization(found).get("items", [])
 
 
@@ -370,7 +372,7 @@ async def delete_run_objects(api: Any, namespace: str, name: str) -> list[str]:
     deleted. Raises FrenzyError where a deletion failed."""
     from kubernetes_asyncio import client
 
-    selector, found = f"{JOB_LABEL}={name}", []
+    selector, found = run_selector(name), []
     group, version = JOBSET_API.split("/")
     try:
         jobsets = await client.CustomObjectsApi(api).list_namespaced_custom_object(

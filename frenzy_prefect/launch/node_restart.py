@@ -52,8 +52,8 @@ def replacements(
     counts = dict(nodes)
     chosen: dict[str, N] = {}
     for node in lost:
-        wanted = kind(by_name[node]) if node in by_name else None
-        fits = [n for n in found if n.schedulable and kind(n) == wanted and n.gpus >= counts[node] and n.name not in taken | set(lost)]
+        wanted, excluded = kind(by_name[node]) if node in by_name else None, taken | set(lost)
+        fits = [n for n in found if n.schedulable and kind(n) == wanted and n.gpus >= counts[node] and n.name not in excluded]
         if not fits:
             return None
         best = min(fits, key=lambda n: (n.name in failed_before, -free(n), found.index(n)))
