@@ -14,6 +14,9 @@ next minor release for that reason).
 - MemTracker (``_tools.mem_tracker``) and the internals ``StepTracker`` drives: per-category
   storage accounting, over whole steps, with ``torch._C._current_graph_task_id`` telling a
   backward pass from a forward without module hooks.
+- FakeTensorMode and the fake process group (``_subclasses.fake_tensor``,
+  ``testing._internal.distributed.fake_pg``): a rank's training step traced without memory,
+  compute or peers (training/allocation_trace.py), as torchtitan's memory estimation does.
 
 One more is used outside this module, where importing this one would cost more: torchrun's
 ``SubprocessContext.close``, ``_failures`` and ``envs``, which ``launch.agent`` wraps in the torchrun
@@ -83,6 +86,21 @@ def stage_backward_weight(*args: Any, **kwargs: Any) -> Any:
     from torch.distributed.pipelining._backward import stage_backward_weight as backward_weight
 
     return backward_weight(*args, **kwargs)
+
+
+def fake_tensors() -> Any:
+    """A FakeTensorMode: tensors with shapes, dtypes and storage sizes, and no data."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def fake_store() -> Any:
+    """A store for ``init_process_group("fake", ...)``: collectives that return at once (importing
+    the module registers the "fake" backend)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
 
 
 def __getattr__(name: str) -> Any:

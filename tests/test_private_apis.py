@@ -167,6 +167,28 @@ def test_mem_tracker_counts_a_training_steps_storage_by_category():
         assert peak[MemRefType.ACT] > 0
 
 
+def test_fake_tensors_and_the_fake_process_group_trace_a_step_without_memory_or_peers():
+    """What training/allocation_trace.py relies on: a FakeTensorMode's tensors have storage sizes
+    (and one Python storage object while they live) but no data, and the "fake" backend's
+    collectives return at once for a world no other process joins."""
+    import torch.distributed as dist
+
+    with relying_on("torch._subclasses.fake_tensor.FakeTensorMode, torch.testing._internal.distributed.fake_pg.FakeStore", "torch"):
+        from frenzy_prefect.torch_private import fake_store, fake_tensors
+
+        dist.init_process_group("fake", store=fake_store(), rank=1, world_size=4)
+        try:
+            with fake_tensors():
+                big = torch.empty(1 << 30, dtype=torch.float32)  # 4 GiB that nothing allocates
+                assert big.untyped_storage().nbytes() == 4 << 30 and big.untyped_storage() is big.untyped_storage()
+                grad = torch.ones(8, requires_grad=True)
+                (grad * 3).sum().backward()
+                dist.all_reduce(grad.grad)
+                assert grad.grad.shape == (8,)
+        finally:
+            dist.destroy_process_group()
+
+
 DOOMED_FLOW = """
 import os, signal, sys, time
 from prefect import flow

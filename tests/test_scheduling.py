@@ -162,7 +162,7 @@ def test_frenzy_runs_out_of_memory_when_the_truth_exceeds_its_estimate_and_then_
     MARP's (seed 0 draws e = -22.6% for "j9") overflows the plan frenzy believed fits with its
     margin, once; the rerun plans with the estimates scaled by what the failure proved."""
     spec, truth = cluster(("T4", 8)), MemoryTruth(seed=0)
-    xl = job("j9", model="gpt2-xl")
+    xl = job("j9", model="gpt2-xl", batch=128)
     assert truth.error("j9") == min(e for e in PUBLISHED_ERRORS if e > -0.23)
     sim = SimCluster(spec)
     believed = make_policy("frenzy").ranked(xl, sim)[0].option

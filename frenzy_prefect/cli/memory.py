@@ -56,6 +56,7 @@ class MemoryOptions:
         self.gpu = gpu_type(gpu) if gpu else None  # the plan itself is checked by estimate/measure
         self.framework = "frenzy"
         self.options: MegatronOptions | FsdpOptions | None = None
+        self.reserved: dict[int, int] = {}  # rank -> the caching allocator's reserved peak, where known
         self.notes: list[str] = []
         self.measured = False
 
@@ -72,7 +73,9 @@ class MemoryOptions:
         )
 
     def emit(self, groups: list[Ranks], as_json: bool) -> None:
-        out = memory_report(self.spec, self.plan, self.work, groups, framework=self.framework, gpu=self.gpu, measured=self.measured)
+        out = memory_report(
+            self.spec, self.plan, self.work, groups, framework=self.framework, gpu=self.gpu, measured=self.measured, reserved=self.reserved
+        )
         if as_json:
             echo_json(out | {"seq_len_default": self.seq_len_default, "notes": self.notes})
             return
@@ -85,12 +88,14 @@ class MemoryOptions:
         for note in self.notes:
             typer.echo(f"  {note}")
         table = plain_table(caption="GiB per GPU; ranks that hold the same bytes share a row")
-        for column in ("ranks", "stage", "params", "grads", "optimizer", "activations", "other"):
+        columns = ("ranks", "stage", "params", "grads", "optimizer", "activations", "other") + (("reserved",) if self.reserved else ())
+        for column in columns:
             table.add_column(column, justify="right")
         for g in groups:
             b = g.breakdown
             ranks = str(g.first) if g.count == 1 else f"{g.first}-{g.last}"
-            table.add_row(ranks, str(g.stage), *map(gib, (b.params, b.grads, b.optimizer, b.activations, b.other)))
+            reserved = (gib(self.reserved[g.first]),) if self.reserved else ()
+            table.add_row(ranks, str(g.stage), *map(gib, (b.params, b.grads, b.optimizer, b.activations, b.other)), *reserved)
         Console().print(table)
 
 
@@ -122,6 +127,12 @@ SEQUENCE_PARALLEL = typer.Option(
     help="megatron: Megatron's sequence parallelism (default: on when tp > 1, as Megatron runs are usually launched).",
 )
 VPP = typer.Option(None, "--vpp", help="megatron: model chunks per pipeline rank (interleaved 1F1B); default: plain 1F1B.")
+RESERVED = typer.Option(
+    False,
+    "--reserved",
+    help="estimate: also what PyTorch's caching allocator would reserve, each stage's step traced on fake tensors and "
+    "replayed through the allocator's rules (seconds; plans without DDP, DeepSpeed or FSDP2). measure: reported on CUDA anyway.",
+)
 CE_FUSION = typer.Option(
     False,
     "--cross-entropy-fusion",
@@ -152,12 +163,16 @@ def _memory_command(per_rank: Callable[[MemoryOptions], list[Ranks]], doc: str) 
         sequence_parallel: bool | None = SEQUENCE_PARALLEL,
         vpp: int | None = VPP,
         cross_entropy_fusion: bool = CE_FUSION,
+        reserved: bool = RESERVED,
     ) -> None:
         w = MemoryOptions(
             model, dp, tp, pp, micro_batch, global_batch, seq_len, zero, recompute, precision, optimizer, gpu, attention, master_weights
         )
         _framework(w, framework, MegatronOptions(sequence_parallel=sequence_parallel, vpp=vpp, cross_entropy_fusion=cross_entropy_fusion))
-        w.emit(per_rank(w), as_json)
+        groups = per_rank(w)
+        if reserved and not w.measured:
+            _replay_allocator(w)
+        w.emit(groups, as_json)
 
     command.__doc__ = doc
     return command
@@ -190,6 +205,26 @@ def _estimated(w: MemoryOptions) -> list[Ranks]:
     return estimated_ranks(w.spec, w.plan, w.work, w.gpu, framework=w.framework, options=w.options)
 
 
+def _replay_allocator(w: MemoryOptions) -> None:
+    """Each rank's reserved peak, from its stage's traced step replayed through the caching allocator."""
+    from frenzy_prefect.memory.calibration import default_calibration
+    from frenzy_prefect.training.allocation_trace import replayed  # torch: imported here
+    from frenzy_prefect.training.measure import Measurement
+
+    if w.framework != "frenzy":
+        raise FrenzyError(f"--reserved traces this project's engine: --framework frenzy only (got {w.framework})")
+    workspace = default_calibration().for_gpu(w.gpu).workspace_bytes if w.gpu else 0
+    stages = {r.stage: r.reserved_bytes for r in replayed(Measurement(model=w.spec, plan=w.plan, work=w.work), workspace_bytes=workspace)}
+    per_stage = w.plan.dp * w.plan.tp
+    w.reserved = {rank: stages[rank // per_stage] for rank in range(w.plan.gpus)}
+    w.notes.append(
+        "reserved: each stage's first rank traced on fake tensors and replayed through PyTorch's caching allocator"
+        + (f" with {w.gpu.name}'s cuBLAS workspaces" if w.gpu else " (no GPU type: no library workspaces)")
+        + "; the GPU also holds the CUDA context"
+        + (" and NCCL's buffers" if w.plan.gpus > 1 else "")
+    )
+
+
 def _measured(w: MemoryOptions) -> list[Ranks]:
     from frenzy_prefect.training.measure import Measurement, measure  # torch: imported here, never by `import frenzy_prefect.cli`
 
@@ -197,6 +232,7 @@ def _measured(w: MemoryOptions) -> list[Ranks]:
         raise FrenzyError(f"measure runs this project's engine: --framework frenzy only (got {w.framework}); estimate takes megatron, fsdp")
     w.measured = True
     ranks = measure(Measurement(model=w.spec, plan=w.plan, work=w.work))
+    w.reserved = {m.rank: m.cuda_max_reserved for m in ranks if m.cuda_max_reserved is not None}
     return group_ranks(w.plan, ((m.rank, m.breakdown) for m in ranks))
 
 

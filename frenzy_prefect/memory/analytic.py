@@ -60,6 +60,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from frenzy_prefect.errors import FrenzyError
+from frenzy_prefect.memory.caching_allocator import RESERVED_OVER_TENSORS
 from frenzy_prefect.memory.calibration import Calibration, GpuConstants, default_calibration
 from frenzy_prefect.spec.gpu import GpuType
 from frenzy_prefect.spec.layout import (
@@ -376,8 +377,10 @@ def optimizer_shares(model: ModelSpec, tp: int, pp: int, dp: int, stage: int) ->
     return tuple(dict.fromkeys(shares))
 
 
-def _runtime(constants: GpuConstants, tensors: int) -> int:
-    return constants.overhead_bytes + math.ceil((constants.fragmentation - 1) * tensors)
+def _runtime(constants: GpuConstants, tensors: int, plan: ParallelPlan) -> int:
+    """The GPU around ``tensors``: context, workspaces, NCCL (more than one GPU) and what the caching allocator reserves beyond them."""
+    fragmentation = constants.fragmentation or RESERVED_OVER_TENSORS[plan.recompute]
+    return constants.overhead_for(plan.gpus) + math.ceil((fragmentation - 1) * tensors)
 
 
 def peak_bytes(
@@ -390,7 +393,7 @@ def peak_bytes(
     pp = plan.pp
     peaks = stage_peaks(model, plan, work, on_gpu=gpu is not None, stages=(0, 1, pp - 1) if pp > 2 else range(pp))
     tensors = max(sum(p) for p in peaks)
-    return tensors + _runtime(constants, tensors)
+    return tensors + _runtime(constants, tensors, plan)
 
 
 def estimate(
@@ -405,7 +408,11 @@ def estimate(
     return MemoryEstimate(
         per_stage=[
             MemoryBreakdown(
-                params=p, grads=g, optimizer=o, activations=saved, other=transient + _runtime(constants, p + g + o + saved + transient)
+                params=p,
+                grads=g,
+                optimizer=o,
+                activations=saved,
+                other=transient + _runtime(constants, p + g + o + saved + transient, plan),
             )
             for p, g, o, saved, transient in peaks
         ]

@@ -6,10 +6,13 @@
   communicator), outside the caching allocator;
 - ``workspace_bytes``: cuBLAS/cuBLASLt workspaces, one per handle and stream;
 - ``fragmentation``: how much the caching allocator's block splitting and rounding inflate the
-  tensors (reserved over allocated at the peak).
+  tensors (reserved over the tensors at the peak); None (the assumed entries): the allocator's
+  own rules replayed over the engine's step, by recomputation mode
+  (``caching_allocator.RESERVED_OVER_TENSORS``), the same on every CUDA GPU.
 
-``overhead_bytes`` is the sum of the three byte counts; the estimator adds it and
-``(fragmentation - 1) * tensors`` to the tensors. Each value has its source text (a URL, or
+``overhead_bytes`` is the sum of the three byte counts; the estimator adds it (NCCL's only for a
+plan of more than one GPU: one GPU opens no communicator) and ``(fragmentation - 1) * tensors``
+to the tensors. Each value has its source text (a URL, or
 "assumed: <why>"). The packaged ``calibration.json`` holds documented assumptions for every
 catalog type (docs/memory.md, "The GPU around the tensors"); ``fit`` replaces them with values fitted
 from measured runs on the type (``frenzy calibrate``), kept in the file named by
@@ -46,7 +49,9 @@ class GpuConstants(BaseModel):
         default=0, description="None: not measured (single-GPU calibration opens no communicator), the assumed value applies."
     )
     workspace_bytes: NonNegativeInt = 0
-    fragmentation: float = Field(default=1.0, ge=1.0)
+    fragmentation: float | None = Field(
+        default=1.0, ge=1.0, description="None: the caching allocator's replayed figure for the plan's recomputation."
+    )
     source: Literal["assumed", "fitted"] = "assumed"
     sources: dict[str, str] = Field(
         default_factory=dict, description="Per term (cuda_context, nccl, workspace, fragmentation): a URL or 'assumed: <why>'."
@@ -76,6 +81,10 @@ class GpuConstants(BaseModel):
         """Everything outside the tensors that does not scale with them."""
         return self.cuda_context_bytes + (self.nccl_bytes or 0) + self.workspace_bytes
 
+    def overhead_for(self, gpus: int) -> int:
+        """The overhead of a plan of ``gpus`` GPUs: NCCL's buffers only where a communicator exists."""
+        return self.overhead_bytes - ((self.nccl_bytes or 0) if gpus == 1 else 0)
+
     def with_assumed(self, assumed: GpuConstants) -> GpuConstants:
         """These constants, with ``assumed``'s NCCL term where they did not measure one."""
         if self.nccl_bytes is not None:
@@ -91,8 +100,8 @@ NEUTRAL = GpuConstants(note="tensor storage only (CPU, MemTracker)")
 UNKNOWN = GpuConstants(
     cuda_context_bytes=512 * MIB,
     nccl_bytes=1 * GIB,
-    workspace_bytes=128 * MIB,
-    fragmentation=1.05,
+    workspace_bytes=64 * MIB,
+    fragmentation=None,
     sources={"all": "assumed: an undeclared type gets the packaged file's largest assumed terms (H100)"},
     note="unknown type",
 )

@@ -43,13 +43,19 @@ def group_ranks(plan: ParallelPlan, per_rank: Iterable[tuple[int, MemoryBreakdow
     return groups
 
 
-def memory_json(plan: ParallelPlan, groups: list[Ranks]) -> dict[str, Any]:
-    """The estimate/measure schema: the peak over ranks, then every rank (with its stage) and its breakdown."""
+def memory_json(plan: ParallelPlan, groups: list[Ranks], reserved: dict[int, int] | None = None) -> dict[str, Any]:
+    """The estimate/measure schema: the peak over ranks, then every rank (with its stage) and its
+    breakdown; where known (``reserved``: rank -> bytes), what the caching allocator reserves."""
     ranks = []
     for g in groups:
         peak, breakdown = g.breakdown.total, g.breakdown.model_dump()
         ranks += [{"rank": rank, "stage": g.stage, "peak_bytes": peak, "breakdown": breakdown} for rank in range(g.first, g.last + 1)]
-    return {"peak_bytes": max(g.breakdown.total for g in groups), "per_rank": ranks, "plan": plan.model_dump()}
+    out = {"peak_bytes": max(g.breakdown.total for g in groups), "per_rank": ranks, "plan": plan.model_dump()}
+    if reserved:
+        for rank in ranks:
+            rank["reserved_bytes"] = reserved.get(rank["rank"])
+        out["reserved_bytes"] = max(reserved.values())
+    return out
 
 
 def figure(gpu: GpuType | None) -> str:
@@ -66,10 +72,11 @@ def memory_report(
     framework: str = "frenzy",
     gpu: GpuType | None = None,
     measured: bool = False,
+    reserved: dict[int, int] | None = None,
 ) -> dict[str, Any]:
     """`memory_json` plus the model it describes (name, parameter count, sequence length), the
     framework whose execution it describes, the attention, and what the figure counts."""
-    return memory_json(plan, groups) | {
+    return memory_json(plan, groups, reserved) | {
         "model": spec.name,
         "parameters": spec.parameters,
         "seq_len": work.seq_len,

@@ -53,7 +53,7 @@ def estimate(
         return engine_estimate(model, plan, work, gpu=gpu)
     # The CUDA context, NCCL buffers and library workspaces are the GPU's and PyTorch's, whatever
     # the framework: their documented assumption for the type (this engine's fitted entries are not applied).
-    overhead = assumed_constants(gpu).overhead_bytes if gpu is not None else 0
+    overhead = assumed_constants(gpu).overhead_for(plan.gpus) if gpu is not None else 0
     if framework == "megatron":
         if options is not None and not isinstance(options, MegatronOptions):
             raise FrenzyError("megatron takes MegatronOptions")
