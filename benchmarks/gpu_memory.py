@@ -18,6 +18,7 @@ from pathlib import Path
 
 from benchmarks import write_result
 from frenzy_prefect.memory import peak_bytes
+from frenzy_prefect.memory.calibration import Calibration, GpuConstants
 from frenzy_prefect.profiling.model import resolve_model
 from frenzy_prefect.spec.catalog import GPU_CATALOG
 from frenzy_prefect.spec.plan import ParallelPlan
@@ -25,6 +26,7 @@ from frenzy_prefect.spec.workload import Workload
 from frenzy_prefect.training.measure import Measurement, measure
 
 GIB = 2**30
+TENSORS_ONLY = {name: Calibration(gpus={name: GpuConstants()}) for name in GPU_CATALOG}
 # (model, micro-batch, seq_len, precision, recompute, attention): none of them is one of
 # `frenzy calibrate`'s runs except where noted, so the calibrated terms meet new shapes.
 CONFIGS = [
@@ -57,7 +59,8 @@ def run(gpu: str) -> list[dict]:
             "reserved": rank.cuda_max_reserved,
             "outside_torch": rank.cuda_outside_torch,
             "device_measured": rank.device_peak,
-            "tensors_predicted": peak_bytes(spec, plan, work),
+            # The tensors as on a GPU (the optimizer's foreach temporaries), without the runtime terms.
+            "tensors_predicted": peak_bytes(spec, plan, work, gpu=GPU_CATALOG[gpu], calibration=TENSORS_ONLY[gpu]),
             "device_predicted": peak_bytes(spec, plan, work, gpu=GPU_CATALOG[gpu]),
         }
         row["allocated_error"] = row["tensors_predicted"] / row["allocated"] - 1

@@ -18,7 +18,7 @@ import statistics
 from pathlib import Path
 
 from benchmarks import write_result
-from benchmarks.gpu_memory import CONFIGS
+from benchmarks.gpu_memory import CONFIGS, TENSORS_ONLY
 from frenzy_prefect.memory import peak_bytes
 from frenzy_prefect.memory.calibration import default_calibration
 from frenzy_prefect.profiling.model import resolve_model
@@ -53,11 +53,15 @@ def run(measured_rows: dict[str, dict], gpu: str) -> list[dict]:
             device = measured["reserved"] + measured["outside_torch"]
             replayed_device = rank.reserved_bytes + constants.cuda_context_bytes  # one GPU: no NCCL
             planned = peak_bytes(spec, plan, work, gpu=GPU_CATALOG[gpu])
+            analytic = peak_bytes(spec, plan, work, gpu=GPU_CATALOG[gpu], calibration=TENSORS_ONLY[gpu])
             row |= {
                 "allocated_measured": measured["allocated"],
                 "reserved_measured": measured["reserved"],
                 "allocated_error": rank.allocated_bytes / measured["allocated"] - 1,
                 "reserved_error": rank.reserved_bytes / measured["reserved"] - 1,
+                "tensors_analytic": analytic,
+                # the replay holds the workspaces too
+                "tensors_analytic_vs_replayed": (analytic + constants.workspace_bytes) / rank.tensors_bytes - 1,
                 "device_measured": device,
                 "device_replayed": replayed_device,
                 "device_planned": planned,
@@ -83,6 +87,7 @@ def run(measured_rows: dict[str, dict], gpu: str) -> list[dict]:
 def summary(rows: list[dict]) -> dict:
     errors = [abs(r["reserved_error"]) for r in rows if "reserved_error" in r]
     planned = [r["device_planned_error"] for r in rows if "device_planned_error" in r]
+    analytic = [abs(r["tensors_analytic_vs_replayed"]) for r in rows if "tensors_analytic_vs_replayed" in r]
     by_mode: dict[str, float] = {}
     for r in rows:
         by_mode[r["recompute"]] = max(by_mode.get(r["recompute"], 1.0), r["reserved_over_tensors"])
@@ -91,6 +96,7 @@ def summary(rows: list[dict]) -> dict:
         "reserved_abs_error_max": max(errors) if errors else None,
         "reserved_under_predicted": sum(r.get("reserved_error", 0) < 0 for r in rows),
         "largest_reserved_over_tensors_by_recompute": by_mode,
+        "tensors_analytic_vs_replayed_abs_max": max(analytic) if analytic else None,
         "device_planned_error_min": min(planned) if planned else None,
         "device_planned_error_median": statistics.median(planned) if planned else None,
     }

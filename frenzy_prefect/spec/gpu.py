@@ -38,10 +38,10 @@ class MemoryMargin(BaseModel):
     ``frenzy calibrate`` fits them on the type; NCCL is charged for about two communicators
     while a plan with tp, pp and dp groups opens more (about 0.5-1 GB each on NVLink parts,
     NVIDIA/nccl#964, #1685: the floor is one of them); and what the caching allocator reserves
-    beyond the largest of the replayed configurations (docs/memory.md). The tensors themselves are predicted to a median 0.04% and at worst 4.84%
-    (FSDP2's ZeRO-3; 73 of the 80 within 1.4%) against MemTracker on 80 CPU configurations of
-    this engine (docs/memory.md, "Accuracy on this engine"). Set per cluster (``memory_margin``
-    in the cluster file)."""
+    beyond the largest of the replayed configurations (docs/memory.md). The tensors themselves
+    are predicted to a median 0.04% and at worst 4.84% (FSDP2's ZeRO-3; 73 of the 80 within
+    1.4%) against MemTracker on 80 CPU configurations of this engine (docs/memory.md, "Accuracy
+    on this engine"). Set per cluster (``memory_margin`` in the cluster file)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
