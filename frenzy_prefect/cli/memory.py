@@ -257,11 +257,22 @@ CALIBRATION_RUNS = [
 
 
 def calibrate(
-    gpu: str = typer.Option(..., "--gpu", help="The GPU type this machine has (a catalog name)."),
+    gpu: str | None = typer.Option(None, "--gpu", help="The GPU type this machine has (a catalog name); with --from-runs, only that type."),
     out: Path | None = typer.Option(None, "--out", help="Calibration file to update; default: $FRENZY_CALIBRATION or the packaged one."),
+    from_runs: str | None = typer.Option(
+        None,
+        "--from-runs",
+        help="A calibration store (JSON path or URI: a cluster's runs, or scripts/gpu-check's): show and refit it.",
+    ),
 ) -> None:
     """Measure this machine's GPU on a fixed set of runs, fit its overhead and fragmentation, and
-    store them in the calibration file the estimator loads; prints the error before and after."""
+    store them in the calibration file the estimator loads; prints the error before and after.
+    With --from-runs, no GPU: what a calibration store's runs measured, and what they teach."""
+    if from_runs is not None:
+        _calibrate_from_runs(from_runs, gpu, out)
+        return
+    if gpu is None:
+        raise FrenzyError("--gpu TYPE names this machine's GPU (or give --from-runs STORE)")
     gpu_type_ = gpu_type(gpu)
     import torch
 
@@ -294,6 +305,49 @@ def calibrate(
         errors = sorted(abs(p - m) / m for p, m in zip(predicted(calibration), measured, strict=True))
         typer.echo(f"{label}: median error {errors[len(errors) // 2]:.2%}, worst {errors[-1]:.2%}")
     typer.echo(f"{gpu}: overhead {gib(constants.overhead_bytes)} GiB, fragmentation x{constants.fragmentation:.4f} -> {path}")
+
+
+def _calibrate_from_runs(source: str, gpu: str | None, out: Path | None) -> None:
+    """Each run of the store, predicted against measured, then per GPU type what is learned."""
+    import fsspec
+
+    from frenzy_prefect.allocator.learning import learn
+    from frenzy_prefect.memory.calibration import ENV, PACKAGED, Calibration, save
+    from frenzy_prefect.memory.run_records import CalibrationStore
+
+    try:
+        with fsspec.open(source, "r") as f:
+            store = CalibrationStore.model_validate_json(f.read())
+    except (OSError, ValueError) as exc:
+        raise FrenzyError(f"cannot read calibration store {source}: {' '.join(str(exc).split())[:300]}") from None
+    table = plain_table(caption=f"calibration store of {store.cluster}: {len(store.records)} runs, GiB and seconds")
+    for column in ("run", "gpu", "model", "plan", "tensors predicted", "tensors measured", "GPU held", "step predicted", "step measured"):
+        table.add_column(column, justify="right")
+    for r in store.records:
+        rank = max(r.ranks, key=lambda k: k.device_bytes or k.measured_tensors_bytes or 0)
+        held = rank.device_bytes
+        table.add_row(
+            r.source,
+            r.gpu_type or "cpu",
+            r.model.name,
+            r.plan.label(),
+            gib(rank.predicted_tensors_bytes),
+            gib(rank.measured_tensors_bytes) if rank.measured_tensors_bytes is not None else "-",
+            gib(held) if held is not None else "-",
+            significant(r.predicted_step_s) if r.predicted_step_s else "-",
+            significant(r.measured_step_s) if r.measured_step_s else "-",
+        )
+    Console().print(table)
+    types = sorted({r.gpu_type for r in store.records if r.gpu_type and (gpu is None or r.gpu_type == gpu)})
+    path = out or os.environ.get(ENV) or PACKAGED
+    learned = [learn(store, gpu_type(name)) for name in types]
+    for result in learned:
+        typer.echo(f"{result.gpu.name}: {result.summary()}")
+    fitted = {r.gpu.name: r.constants for r in learned if r.constants is not None}
+    if fitted and out is not None:
+        current = Calibration.load(path) if Path(path).exists() else Calibration()
+        save(current.model_copy(update={"gpus": current.gpus | fitted}), path)
+        typer.echo(f"fitted {', '.join(fitted)} -> {path}")
 
 
 def presets() -> None:
