@@ -37,11 +37,12 @@ from prefect.client.schemas.objects import FlowRun
 from frenzy_prefect.flows.training import default_output
 from frenzy_prefect.launch.local import host_and_pids, is_running
 from frenzy_prefect.localstack import LocalStack, PostgresNotInstalled
+from frenzy_prefect.memory.run_records import CalibrationStore
 from frenzy_prefect.pool.reservations import GpuReservations
 from frenzy_prefect.profiling.model import PRESETS
 from frenzy_prefect.spec.cluster import ClusterSpec
 from frenzy_prefect.spec.result import TrainingReport
-from frenzy_prefect.storage import exists, open_uri
+from frenzy_prefect.storage import exists, filesystem, open_uri
 
 from .conftest import BUCKET, EXAMPLE_CLUSTER, WORKER_LIMIT, set_up_pool, without_real_part
 
@@ -231,6 +232,24 @@ def test_reports_are_json_a_pipeline_can_read(stack, runs, dataset):
     assert result["steps"] == GOOD["steps"] and len(result["losses"]) == GOOD["steps"] and result["first_step"] == 1
     assert all(isinstance(x, float) and math.isfinite(x) for x in result["losses"])
     assert result["checkpoint"].startswith(f"{output}/checkpoints/") and result["checkpoint"].endswith(f"step-{GOOD['steps']:06d}")
+
+
+def test_a_finished_run_is_recorded_in_its_clusters_calibration_store(stack, runs, dataset):
+    """What the run measured reaches the store the next plan learns from (beside the runs'
+    outputs, named by the cluster), and the plan said what it had learned."""
+    run = runs["good"]
+    (training,) = children(stack, run)
+    fs, folder = filesystem(default_output(dataset, run.name).rsplit("/", 1)[0] + "/frenzy-calibration")
+    records = [r for path in fs.ls(folder) for r in CalibrationStore.model_validate_json(fs.cat_file(path)).records]
+    (record,) = [r for r in records if r.source == str(training.id)]
+    assert (record.gpu_type, record.plan.gpus, record.model.name) == ("A10", 2, "gpt-nano")
+    assert record.measured_step_s > 0 and record.predicted_step_s > 0 and record.tokens_per_s > 0
+    (rank,) = record.ranks  # one stage; CPU ranks: no allocator to read
+    assert rank.predicted_tensors_bytes > 0 and rank.reserved_bytes is None
+    with stack.client_settings(), get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id])))
+    (learned,) = [a for a in artifacts if a.key == "calibration"]
+    assert "**A10**" in str(learned.data) and "frenzy-calibration/" in str(learned.data)
 
 
 # The smallest crowd that shows it: more runs than one worker holds (WORKER_LIMIT), so both

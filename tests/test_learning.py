@@ -8,16 +8,18 @@ import json
 
 import pytest
 
-from frenzy_prefect.allocator.learning import MINIMUM_RUNS, learn
+from frenzy_prefect.allocator.learning import MINIMUM_RUNS, learn, record_of
 from frenzy_prefect.allocator.step_time import predict_step
-from frenzy_prefect.memory import peak_bytes
+from frenzy_prefect.memory import estimate, peak_bytes
 from frenzy_prefect.memory.calibration import Calibration, GpuConstants
 from frenzy_prefect.memory.run_records import CalibrationStore, RankRecord, RunRecord
 from frenzy_prefect.profiling.model import PRESETS
 from frenzy_prefect.spec.catalog import GPU_CATALOG
-from frenzy_prefect.spec.plan import ParallelPlan
+from frenzy_prefect.spec.plan import ParallelPlan, Placement
+from frenzy_prefect.spec.result import RankPeak, TrainingResult
 from frenzy_prefect.spec.workload import Workload
 from tests.test_cli import frenzy
+from tests.test_training import make_job, unchecked
 
 A10, MODEL, GIB = GPU_CATALOG["A10"], PRESETS["gpt2-small"], 2**30
 NEXT = (ParallelPlan(micro_batch=16), Workload(global_batch=16, seq_len=1024))
@@ -85,3 +87,42 @@ def test_calibrate_from_runs_shows_each_run_and_refits_without_a_gpu(tmp_path):
     store.write_text("{not json")
     bad = frenzy("calibrate", "--from-runs", str(store))
     assert bad.returncode != 0 and f"cannot read calibration store {store}" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def job_on(plan: ParallelPlan):
+    placements = [Placement(node="a10-node", host="localhost", gpus=list(range(plan.gpus)))]
+    return make_job(unchecked("/tmp/never-read.txt"), "/tmp/out", plan, placements, global_batch=8)
+
+
+def test_a_finished_run_is_recorded_per_stage_with_its_most_loaded_rank():
+    job = job_on(ParallelPlan(dp=2, pp=2, micro_batch=2))
+    peaks = [RankPeak(rank=r, allocated_bytes=100 + r, reserved_bytes=(5, 9, 7, 3)[r], outside_allocator_bytes=GIB) for r in range(4)]
+    done = {"steps": 3, "losses": [3.0, 2.0, 1.0], "checkpoint": "c", "world_size": 4, "backend": "nccl", "wall_s": 3.0}
+    result = TrainingResult(**done, tokens_per_s=1.0, step_s=[5.0, 1.0, 3.0], rank_peaks=peaks)
+    record = record_of(job, result, "flow-run-1")
+    neutral = Calibration(gpus={"A10": GpuConstants()})
+    predicted = estimate(job.model, job.allocation.plan, job.request.workload, gpu=A10, calibration=neutral)
+    # ranks are numbered stage-major: 0-1 stage 0, 2-3 stage 1; the most reserved of each stage
+    assert [(k.rank, k.stage, k.reserved_bytes) for k in record.ranks] == [(1, 0, 9), (2, 1, 7)]
+    assert [k.predicted_tensors_bytes for k in record.ranks] == [s.total for s in predicted.per_stage]
+    assert record.ranks[0].device_bytes == 9 + GIB
+    assert (record.measured_step_s, record.predicted_step_s, record.gpu_type) == (2.0, 1.0, "A10")  # the median after the first
+    on_cpu = record_of(job, result.model_copy(update={"rank_peaks": []}), "cpu-run")
+    assert [(k.rank, k.reserved_bytes) for k in on_cpu.ranks] == [(0, None), (2, None)]  # no allocator: the stage's first rank
+
+
+def test_the_next_plan_on_a_cluster_uses_what_its_runs_taught():
+    from frenzy_prefect.allocator import candidate_plans
+    from frenzy_prefect.allocator.learning import applied
+    from frenzy_prefect.spec.cluster import ClusterSpec
+    from frenzy_prefect.spec.request import TrainingRequest
+
+    cluster = ClusterSpec(nodes=[{"name": "n", "host": "n", "gpu_type": "A10", "gpu_count": 4}])
+    request = TrainingRequest(model="gpt2-small", dataset="/tmp/d.txt", global_batch=16, seq_len=1024, steps=10)
+    before = candidate_plans(MODEL, request, cluster)[0]
+    taught, calibration, learned = applied(runs(1.40, 1.5), cluster)
+    assert taught.gpu_types["A10"].achievable_fraction < A10.achievable_fraction
+    after = {(c.plan, c.gpu_type): c for c in candidate_plans(MODEL, request, taught, calibration)}[before.plan, "A10"]
+    assert after.memory.peak_bytes > before.memory.peak_bytes and after.step_time_s > before.step_time_s
+    untaught = applied(CalibrationStore(cluster="lab"), cluster)
+    assert untaught[0] == cluster and [r.memory_runs for r in untaught[2]] == [0]

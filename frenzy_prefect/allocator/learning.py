@@ -7,12 +7,17 @@ documented assumptions stand.
 
 from __future__ import annotations
 
+import statistics
 from typing import NamedTuple
 
 from frenzy_prefect.allocator.step_time import fit_achievable_fraction, predict_step
-from frenzy_prefect.memory.calibration import Calibration, GpuConstants, assumed_constants, fit
-from frenzy_prefect.memory.run_records import CalibrationStore, RunRecord
+from frenzy_prefect.memory import estimate
+from frenzy_prefect.memory.calibration import Calibration, GpuConstants, assumed_constants, default_calibration, fit
+from frenzy_prefect.memory.run_records import CalibrationStore, RankRecord, RunRecord
+from frenzy_prefect.spec.cluster import ClusterSpec
 from frenzy_prefect.spec.gpu import GpuType
+from frenzy_prefect.spec.plan import TrainingJob
+from frenzy_prefect.spec.result import TrainingResult
 
 MINIMUM_RUNS = 3  # a fit of two terms needs more points than terms
 
@@ -61,3 +66,44 @@ def learn(store: CalibrationStore, gpu: GpuType) -> Learned:
 
 def _device(rank) -> int:
     return rank.device_bytes or 0
+
+
+def applied(store: CalibrationStore, cluster: ClusterSpec) -> tuple[ClusterSpec, Calibration, list[Learned]]:
+    """``cluster`` with each of its GPU types as its runs taught (the achievable fraction, as a
+    type override), the calibration with the memory terms they taught, and what each type learned."""
+    known = cluster.known_gpu_types()
+    learned = [learn(store, known[name]) for name in sorted({n.gpu_type for n in cluster.nodes})]
+    types = {r.gpu.name: r.gpu for r in learned if r.step_runs >= MINIMUM_RUNS}
+    base = default_calibration()
+    terms = {r.gpu.name: r.constants for r in learned if r.constants is not None}
+    taught = cluster.model_copy(update={"gpu_types": cluster.gpu_types | types}) if types else cluster
+    return taught, base.model_copy(update={"gpus": base.gpus | terms}) if terms else base, learned
+
+
+def record_of(job: TrainingJob, result: TrainingResult, source: str) -> RunRecord:
+    """What ``job``'s run measured, for its cluster's calibration store: per pipeline stage its
+    most loaded rank (on GPUs; on CPU the stage's first rank, with no memory measured) against
+    MARP's tensors for the stage, and the median step after the first against the prediction."""
+    allocation, work = job.allocation, job.request.workload
+    plan, gpu = allocation.plan, job.cluster.known_gpu_types()[allocation.gpu_type]
+    tensors = estimate(job.model, plan, work, gpu=gpu, calibration=Calibration(gpus={gpu.name: GpuConstants()})).per_stage
+    peaks = {p.rank: p for p in result.rank_peaks}
+    ranks = []
+    for stage, predicted in enumerate(tensors):
+        members = [r for r in range(plan.gpus) if plan.coordinates(r)[0] == stage]
+        rank = max(members, key=lambda r: peaks[r].reserved_bytes if r in peaks else -r)
+        peak = peaks.get(rank)
+        held = {} if peak is None else {k: getattr(peak, k) for k in ("allocated_bytes", "reserved_bytes", "outside_allocator_bytes")}
+        ranks.append(RankRecord(rank=rank, stage=stage, predicted_tensors_bytes=predicted.total, **held))
+    steps = result.step_s[1:] or result.step_s
+    return RunRecord(
+        source=source,
+        gpu_type=gpu.name,
+        model=job.model,
+        plan=plan,
+        work=work,
+        ranks=ranks,
+        predicted_step_s=allocation.step_time_s,
+        measured_step_s=statistics.median(steps) if steps else None,
+        tokens_per_s=result.tokens_per_s,
+    )

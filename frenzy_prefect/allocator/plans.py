@@ -8,6 +8,7 @@ from frenzy_prefect.allocator.space import MAX_PLANS, Shape, divisors, shapes
 from frenzy_prefect.allocator.step_time import predict_step
 from frenzy_prefect.errors import FrenzyError, NoFeasiblePlan
 from frenzy_prefect.memory.analytic import estimate
+from frenzy_prefect.memory.calibration import Calibration
 from frenzy_prefect.spec.cluster import ClusterSpec
 from frenzy_prefect.spec.gpu import GpuType
 from frenzy_prefect.spec.layout import check_engine_plan, check_resilience
@@ -58,13 +59,17 @@ def _runs(model: ModelSpec, shape: Shape, zero: int, request: TrainingRequest) -
     return True
 
 
-def candidate_plans(model: ModelSpec, request: TrainingRequest, cluster: ClusterSpec) -> list[PlanCandidate]:
+def candidate_plans(
+    model: ModelSpec, request: TrainingRequest, cluster: ClusterSpec, calibration: Calibration | None = None
+) -> list[PlanCandidate]:
     """All candidates, fitting ones (predicted peak plus the cluster's memory margin within the
     GPU) first, each group by predicted step time (the job's steps
     are fixed, so this is its predicted completion time), then fewer GPUs (GPU-seconds), fewer
     accumulation steps, no recomputation. The plans: every plan the memory model covers
     (``space.plan_space``) that the training engine runs with the request's precision, counted
-    first: a search larger than MAX_PLANS is refused, naming its size."""
+    first: a search larger than MAX_PLANS is refused, naming its size. ``calibration``: the GPU
+    terms to estimate with (default: the loaded calibration file's; allocator/learning.py's
+    ``applied`` gives what a cluster's runs taught)."""
     check_objective(request, cluster)
     kinds = _usable_kinds(request, cluster)
     searched = {name: searched_shapes(model, request, total, largest) for name, (_, total, largest) in kinds.items()}
@@ -80,7 +85,7 @@ def candidate_plans(model: ModelSpec, request: TrainingRequest, cluster: Cluster
                 PlanCandidate(
                     gpu_type=name,
                     plan=plan,
-                    memory=estimate(model, plan, work, gpu=gpu),
+                    memory=estimate(model, plan, work, gpu=gpu, calibration=calibration),
                     gpu_memory_bytes=gpu.memory_bytes,
                     margin_bytes=margin,
                     **_time_and_cost(step_s, plan, name, request, cluster),

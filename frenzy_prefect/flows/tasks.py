@@ -12,11 +12,13 @@ from prefect.logging import get_run_logger
 from prefect.utilities.asyncutils import run_coro_as_sync
 
 from frenzy_prefect import allocator
+from frenzy_prefect.allocator.learning import Learned, applied, record_of
 from frenzy_prefect.blocks import load_cluster, save_node
 from frenzy_prefect.datasets.prepare import Prepared
 from frenzy_prefect.datasets.prepare import prepare as _prepare
-from frenzy_prefect.errors import ClusterBusy
+from frenzy_prefect.errors import ClusterBusy, FrenzyError
 from frenzy_prefect.flows.charts import loss_curve_png
+from frenzy_prefect.memory.run_records import CalibrationStore, RunRecord
 from frenzy_prefect.pool.reservations import GpuReservations
 from frenzy_prefect.profiling.dataset import profile_dataset as _profile_dataset
 from frenzy_prefect.profiling.model import resolve_model
@@ -27,7 +29,7 @@ from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import Allocation, MemoryBreakdown, PlanCandidate, TrainingJob
 from frenzy_prefect.spec.request import TrainingRequest
 from frenzy_prefect.spec.result import TrainingReport, TrainingResult
-from frenzy_prefect.storage import open_uri, write_bytes
+from frenzy_prefect.storage import exists, open_uri, write_bytes
 from frenzy_prefect.units import duration, gib, usd
 
 ARTIFACT_ROWS = 25
@@ -105,10 +107,57 @@ def discover_node(node: str, host: str, cluster: str) -> ClusterSpec:
     return spec
 
 
+def calibration_store_uri(output: str, cluster: str) -> str:
+    """The cluster's calibration store: beside the run's output folder (by default, the
+    dataset's frenzy-runs/), so the runs that write there share it."""
+    output = output.rstrip("/")
+    parent = output.rsplit("/", 1)[0] if "/" in output else "."
+    return f"{parent}/frenzy-calibration/{cluster}.json"
+
+
+def read_store(uri: str, cluster: str) -> CalibrationStore:
+    """The store at ``uri``; a new one where there is none, or (saying so) where it cannot be read."""
+    try:
+        if not exists(uri):
+            return CalibrationStore(cluster=cluster)
+        with open_uri(uri, "r") as f:
+            return CalibrationStore.model_validate_json(f.read())
+    except (FrenzyError, OSError, ValueError) as exc:
+        get_run_logger().warning(f"calibration store {uri} cannot be read ({' '.join(str(exc).split())[:200]}); planning without it")
+        return CalibrationStore(cluster=cluster)
+
+
+def _last_run(record: RunRecord) -> str:
+    """A run's predicted against measured peak and step, in a line."""
+    rank = max(record.ranks, key=lambda k: k.device_bytes or 0)
+    held = f"the GPU held {gib(rank.device_bytes)} GiB" if rank.device_bytes else "memory not measured (CPU)"
+    step = f"step {duration(record.predicted_step_s)} predicted" if record.predicted_step_s else "step"
+    measured = f"{duration(record.measured_step_s)} measured" if record.measured_step_s else "not measured"
+    return (
+        f"`{record.source}` ({record.plan.label()}): tensors {gib(rank.predicted_tensors_bytes)} GiB predicted, {held}; {step}, {measured}"
+    )
+
+
+def _calibration_markdown(learned: list[Learned], uri: str) -> str:
+    lines = [f"## What this cluster's runs taught\n\nStore: `{uri}`\n"]
+    for result in learned:
+        lines.append(f"- **{result.gpu.name}**: {result.summary()}")
+        if result.last is not None:
+            lines.append(f"  - last run {_last_run(result.last)}")
+    return "\n".join(lines) + "\n"
+
+
 @task
-def estimate_memory(model: ModelSpec, request: TrainingRequest, state: ClusterState) -> list[PlanCandidate]:
-    """MARP: predicted per-GPU peak memory and step time of every plan on every GPU type."""
-    candidates = allocator.candidate_plans(model, request, state.cluster)
+def estimate_memory(model: ModelSpec, request: TrainingRequest, state: ClusterState, store_uri: str | None = None) -> list[PlanCandidate]:
+    """MARP: predicted per-GPU peak memory and step time of every plan on every GPU type, with
+    what the cluster's measured runs taught (the calibration store at ``store_uri``)."""
+    store = read_store(store_uri, state.cluster.name) if store_uri else CalibrationStore(cluster=state.cluster.name)
+    cluster, calibration, learned = applied(store, state.cluster)
+    if store_uri:
+        create_markdown_artifact(
+            key="calibration", markdown=_calibration_markdown(learned, store_uri), description="Learned from measured runs"
+        )
+    candidates = allocator.candidate_plans(model, request, cluster, calibration)
     fitting = sum(c.fits for c in candidates)
     rows = [
         {
@@ -130,7 +179,10 @@ def estimate_memory(model: ModelSpec, request: TrainingRequest, state: ClusterSt
     create_table_artifact(
         key="memory-estimates",
         table=rows,
-        description=f"Predicted per-GPU peak memory: {fitting} of {len(candidates)} plans fit; first {len(rows)} in priority order.",
+        description=(
+            f"Predicted per-GPU peak memory: {fitting} of {len(candidates)} plans fit; first {len(rows)} in priority order. "
+            + "; ".join(r.summary() for r in learned)
+        ),
     )
     get_run_logger().info(f"{fitting} of {len(candidates)} candidate plans fit their GPU type")
     return candidates
@@ -206,6 +258,20 @@ def _survived_rows(result: TrainingResult) -> list[dict[str, str]]:
         }
         for f in result.failures
     ]
+
+
+@task
+def record_run(job: TrainingJob, result: TrainingResult, source: str, store_uri: str) -> None:
+    """Add what the run measured to its cluster's calibration store (a record lost to storage
+    trouble is a warning: the run itself succeeded)."""
+    record = record_of(job, result, source)
+    try:
+        store = read_store(store_uri, job.cluster.name).add(record)
+        write_bytes(store_uri, store.model_dump_json().encode())
+    except (FrenzyError, OSError) as exc:
+        get_run_logger().warning(f"the run's measurements were not added to {store_uri}: {' '.join(str(exc).split())[:200]}")
+        return
+    get_run_logger().info(f"Recorded in {store_uri} ({len(store.on(record.gpu_type))} runs on {record.gpu_type}): {_last_run(record)}")
 
 
 @task

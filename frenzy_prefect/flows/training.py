@@ -20,11 +20,13 @@ from frenzy_prefect.flows.reporting import TrainingReporter
 from frenzy_prefect.flows.restarts import failures_restart_while_torchrun_can, restarts_left
 from frenzy_prefect.flows.tasks import (
     allocate,
+    calibration_store_uri,
     estimate_memory,
     prepare_dataset,
     profile_cluster,
     profile_dataset,
     profile_model,
+    record_run,
     report,
     train,
 )
@@ -80,7 +82,9 @@ def train_llm(
         data = prepare_dataset(data, for_model(request.prepare, model.vocab_size)).manifest_uri
     dataset = profile_dataset(request, model, data)
     state = profile_cluster(cluster)
-    candidates = estimate_memory(model, request, state)
+    output = request.output or default_output(request.dataset, flow_run.get_name() or "local")
+    store = calibration_store_uri(output, state.cluster.name)
+    candidates = estimate_memory(model, request, state, store)
     if plan_only:
         return None
     if approve:
@@ -95,10 +99,11 @@ def train_llm(
         dataset=dataset,
         allocation=allocation,
         cluster=state.cluster,
-        output=request.output or default_output(request.dataset, flow_run.get_name() or "local"),
+        output=output,
         run=flow_run.get_id() or "local",  # a retry of this flow run resumes from its checkpoints
     )
     result, training_run = train(job, training_deployment)
+    record_run(job, result, training_run, store)
     return report(job, result, training_run)
 
 

@@ -24,6 +24,17 @@ class SurvivedFailure(BaseModel):
     tokens_per_s_after: float | None = Field(default=None, description="Over up to 5 steps after (the interrupted step excluded).")
 
 
+class RankPeak(BaseModel):
+    """One rank's memory at its peak over the attempt, as its GPU's caching allocator counted it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    rank: int
+    allocated_bytes: int = Field(description="torch.cuda.max_memory_allocated: the tensors' blocks.")
+    reserved_bytes: int = Field(description="torch.cuda.max_memory_reserved: what the allocator held.")
+    outside_allocator_bytes: int = Field(description="Device memory in use beyond the allocator's (CUDA context, NCCL), at the end.")
+
+
 class TrainingResult(BaseModel):
     """Written by rank 0 as metrics.json beside the checkpoint, once the checkpoint is complete."""
 
@@ -40,6 +51,7 @@ class TrainingResult(BaseModel):
     step_s: list[float] = Field(default=[], description="Rank 0's wall time of each step this attempt trained, checkpoints excluded.")
     checkpoint_s: list[float] = Field(default=[], description="Rank 0's wall time of each checkpoint this attempt wrote.")
     failures: list[SurvivedFailure] = Field(default=[], description="Failures trained through without a restart, and rejoins.")
+    rank_peaks: list[RankPeak] = Field(default=[], description="Every rank's memory peak, on GPUs (none on CPU).")
 
 
 class TrainingReport(BaseModel):

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.spec.plan import TrainingJob
 from frenzy_prefect.spec.request import OptimizerSettings, TrainingRequest
-from frenzy_prefect.spec.result import SurvivedFailure, TrainingResult
+from frenzy_prefect.spec.result import RankPeak, SurvivedFailure, TrainingResult
 from frenzy_prefect.storage import write_bytes
 from frenzy_prefect.training import checkpoint, manifest
 from frenzy_prefect.training.data import TokenWindows, step_batches, step_seed
@@ -147,11 +147,30 @@ def write_result(
         step_s=timings["step"],
         checkpoint_s=timings["checkpoint"],
         failures=[_with_throughput(record, first, timings["step"], request) for record in progress.survived],
+        rank_peaks=rank_peaks(ctx),
     )
     # metrics.json last: the other ranks wait for rank 0's write
     writes = dist.get_rank() == 0
     together(ctx, (lambda: write_bytes(job.metrics_uri, result.model_dump_json(indent=2).encode())) if writes else lambda: None)
     return result
+
+
+def rank_peaks(ctx: DistributedContext) -> list[RankPeak]:
+    """Every rank's peak as its GPU's caching allocator counted it (the run's calibration store
+    learns from them); on CPU, none: MemTracker would slow every step it watched."""
+    if ctx.device.type != "cuda":
+        return []
+    free, total = torch.cuda.mem_get_info(ctx.device)
+    reserved = torch.cuda.max_memory_reserved(ctx.device)
+    mine = RankPeak(
+        rank=ctx.rank,
+        allocated_bytes=torch.cuda.max_memory_allocated(ctx.device),
+        reserved_bytes=reserved,
+        outside_allocator_bytes=max(0, total - free - torch.cuda.memory_reserved(ctx.device)),
+    )
+    peaks: list[RankPeak | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, mine)
+    return sorted((p for p in peaks if p is not None), key=lambda p: p.rank)
 
 
 def _with_throughput(record: dict, first: int, step_s: list[float], request: TrainingRequest) -> SurvivedFailure:
