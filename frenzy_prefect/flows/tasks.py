@@ -262,13 +262,13 @@ def _survived_rows(result: TrainingResult) -> list[dict[str, str]]:
 
 @task
 def record_run(job: TrainingJob, result: TrainingResult, source: str, store_uri: str) -> None:
-    """Add what the run measured to its cluster's calibration store (a record lost to storage
-    trouble is a warning: the run itself succeeded)."""
-    record = record_of(job, result, source)
+    """Add what the run measured to its cluster's calibration store. A record that cannot be
+    made or kept is a warning, never the run's failure: the run itself succeeded and reported."""
     try:
+        record = record_of(job, result, source)
         store = read_store(store_uri, job.cluster.name).add(record)
         write_bytes(store_uri, store.model_dump_json().encode())
-    except (FrenzyError, OSError) as exc:
+    except Exception as exc:  # noqa: BLE001 (whatever it is, the trained model and its report stand)
         get_run_logger().warning(f"the run's measurements were not added to {store_uri}: {' '.join(str(exc).split())[:200]}")
         return
     get_run_logger().info(f"Recorded in {store_uri} ({len(store.on(record.gpu_type))} runs on {record.gpu_type}): {_last_run(record)}")

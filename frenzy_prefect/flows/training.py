@@ -103,8 +103,9 @@ def train_llm(
         run=flow_run.get_id() or "local",  # a retry of this flow run resumes from its checkpoints
     )
     result, training_run = train(job, training_deployment)
+    summary = report(job, result, training_run)
     record_run(job, result, training_run, store)
-    return report(job, result, training_run)
+    return summary
 
 
 @flow(name="distributed-train")
