@@ -1,6 +1,6 @@
 """What a GPU reserves, predicted without one: each configuration that benchmarks/gpu_memory.py
 measured on a real GPU is traced here on fake tensors (training/allocation_trace.py) and its
-allocations replayed through the caching allocator's rules (memory/caching_allocator.py); the
+allocations replayed through the caching allocator's rules (frenzy_prefect/caching_allocator.py); the
 replayed ``max_memory_allocated`` and ``max_memory_reserved`` are set against the measured ones,
 and what the GPU held in all (reserved plus the memory outside the allocator) against two
 predictions: the replay plus the type's CUDA context, and the planner's figure (``peak_bytes``

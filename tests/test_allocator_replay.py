@@ -1,4 +1,4 @@
-"""The caching allocator replayed (memory/caching_allocator.py) and the engine's step traced on fake
+"""The caching allocator replayed (frenzy_prefect/caching_allocator.py) and the engine's step traced on fake
 tensors (training/allocation_trace.py): the allocator's rules one by one, the trace against the
 engine's measured peak on real ranks, and `frenzy estimate --reserved`. What the replay predicts
 against a real GPU's ``max_memory_reserved`` is benchmarks/reserved_replay.py's (docs/memory.md)."""
@@ -9,9 +9,9 @@ import json
 
 import pytest
 
+from frenzy_prefect.caching_allocator import LARGE_BUFFER, SMALL_BUFFER, CachingAllocator, replay, round_size, segment_size
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.memory import estimate
-from frenzy_prefect.memory.caching_allocator import LARGE_BUFFER, SMALL_BUFFER, CachingAllocator, replay, round_size, segment_size
 from frenzy_prefect.memory.calibration import Calibration, GpuConstants
 from frenzy_prefect.profiling.model import PRESETS
 from frenzy_prefect.spec.catalog import GPU_CATALOG

@@ -17,6 +17,7 @@ PACKAGE = ROOT / "frenzy_prefect"
 # components, never a later layer's.
 LAYERS: list[set[str]] = [
     {"units", "errors"},
+    {"caching_allocator"},  # PyTorch's CUDA caching allocator's rules, replayed: memory models with it, training traces for it
     {"storage"},  # object storage: below the profilers and the trainer that read and write it
     {"spec"},
     {"profiling"},

@@ -13,8 +13,7 @@ from hypothesis import strategies as st
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.memory import estimate, peak_bytes
 from frenzy_prefect.memory.analytic import optimizer_shares, zero_layout
-from frenzy_prefect.memory.caching_allocator import RESERVED_OVER_TENSORS
-from frenzy_prefect.memory.calibration import PACKAGED, UNKNOWN, Calibration, GpuConstants, fit
+from frenzy_prefect.memory.calibration import PACKAGED, RESERVED_OVER_TENSORS, UNKNOWN, Calibration, GpuConstants, fit
 from frenzy_prefect.profiling.model import PRESETS
 from frenzy_prefect.spec.catalog import GPU_CATALOG
 from frenzy_prefect.spec.gpu import MemoryMargin

@@ -60,8 +60,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from frenzy_prefect.errors import FrenzyError
-from frenzy_prefect.memory.caching_allocator import RESERVED_OVER_TENSORS
-from frenzy_prefect.memory.calibration import Calibration, GpuConstants, default_calibration
+from frenzy_prefect.memory.calibration import RESERVED_OVER_TENSORS, Calibration, GpuConstants, default_calibration
 from frenzy_prefect.spec.gpu import GpuType
 from frenzy_prefect.spec.layout import (
     block_shapes,

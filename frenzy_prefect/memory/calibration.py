@@ -7,8 +7,8 @@
 - ``workspace_bytes``: cuBLAS/cuBLASLt workspaces, one per handle and stream;
 - ``fragmentation``: how much the caching allocator's block splitting and rounding inflate the
   tensors (reserved over the tensors at the peak); None (the assumed entries): the allocator's
-  own rules replayed over the engine's step, by recomputation mode
-  (``caching_allocator.RESERVED_OVER_TENSORS``), the same on every CUDA GPU.
+  own rules replayed over the engine's step, by recomputation mode (``RESERVED_OVER_TENSORS``),
+  the same on every CUDA GPU.
 
 ``overhead_bytes`` is the sum of the three byte counts; the estimator adds it (NCCL's only for a
 plan of more than one GPU: one GPU opens no communicator) and ``(fragmentation - 1) * tensors``
@@ -35,6 +35,16 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, computed_fiel
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.spec.gpu import GpuType
 from frenzy_prefect.units import GIB, MIB
+
+# What PyTorch's caching allocator reserves over the peak of live tensors, the largest found for
+# each recomputation mode when the engine's step is traced and replayed through its rules
+# (frenzy_prefect/caching_allocator.py) on eight
+# configurations (benchmarks/reserved_replay.py, results/reserved_replay.json: x1.02-1.08 without
+# recomputation, x1.05 selective, x1.15 and x1.20 full; on an H200 the replay was within 0.3% of
+# max_memory_reserved on five of them). Full recomputation fragments most: each block is rebuilt
+# inside the backward, its activations allocated into blocks the previous step's pattern left.
+# The planner's figure for any plan; `frenzy estimate --reserved` replays the plan itself.
+RESERVED_OVER_TENSORS = {"none": 1.09, "selective": 1.09, "full": 1.20}
 
 PACKAGED = Path(__file__).with_name("calibration.json")
 ENV = "FRENZY_CALIBRATION"

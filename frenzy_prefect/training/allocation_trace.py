@@ -1,7 +1,7 @@
 """What a GPU would reserve for a plan, without a GPU: each rank's training step is traced on fake
 tensors (shapes and storage sizes, no data, no compute; collectives through torch's fake process
 group), every storage's allocation and free recorded in order, and the sequence replayed through
-the caching allocator's rules (memory/caching_allocator.py).
+the caching allocator's rules (frenzy_prefect/caching_allocator.py).
 
 The trace is the engine's own step, so the tensors are exactly those a GPU run allocates, in the
 order it allocates them, with two differences the GPU type supplies or that stay out of reach:
@@ -25,8 +25,8 @@ from pydantic import BaseModel, ConfigDict, NonNegativeInt
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from frenzy_prefect.caching_allocator import replay
 from frenzy_prefect.errors import FrenzyError
-from frenzy_prefect.memory.caching_allocator import replay
 from frenzy_prefect.spec.layout import check_engine_plan, uses_ddp
 from frenzy_prefect.torch_private import fake_store, fake_tensors
 from frenzy_prefect.training.measure import STEPS, Measurement

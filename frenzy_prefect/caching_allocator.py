@@ -40,16 +40,6 @@ MIN_LARGE_ALLOC = 10 << 20  # kMinLargeAlloc
 ROUND_LARGE = 2 << 20  # kRoundLarge
 
 
-# What the allocator reserves over the peak of live tensors, the largest found for each
-# recomputation mode when the engine's step is traced and replayed through these rules on eight
-# configurations (benchmarks/reserved_replay.py, results/reserved_replay.json: x1.02-1.08 without
-# recomputation, x1.05 selective, x1.15 and x1.20 full; on an H200 the replay was within 0.3% of
-# max_memory_reserved on five of them). Full recomputation fragments most: each block is rebuilt
-# inside the backward, its activations allocated into blocks the previous step's pattern left.
-# The planner's figure for any plan; `frenzy estimate --reserved` replays the plan itself.
-RESERVED_OVER_TENSORS = {"none": 1.09, "selective": 1.09, "full": 1.20}
-
-
 def round_size(size: int) -> int:
     """``round_size``: the bytes a request of ``size`` takes in a block."""
     return MIN_BLOCK if size < MIN_BLOCK else -(-size // MIN_BLOCK) * MIN_BLOCK
