@@ -6,13 +6,15 @@ against a real GPU's ``max_memory_reserved`` is benchmarks/reserved_replay.py's 
 from __future__ import annotations
 
 import json
+import statistics
+from pathlib import Path
 
 import pytest
 
 from frenzy_prefect.caching_allocator import LARGE_BUFFER, SMALL_BUFFER, CachingAllocator, replay, round_size, segment_size
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.memory import estimate
-from frenzy_prefect.memory.calibration import Calibration, GpuConstants
+from frenzy_prefect.memory.calibration import RESERVED_OVER_TENSORS, Calibration, GpuConstants
 from frenzy_prefect.profiling.model import PRESETS
 from frenzy_prefect.spec.catalog import GPU_CATALOG
 from frenzy_prefect.spec.plan import ParallelPlan
@@ -114,3 +116,17 @@ def test_estimate_reserved_reports_each_ranks_reserved_peak_beside_its_tensors()
     assert any("caching allocator" in note for note in data["notes"])
     refused = frenzy("estimate", "gpt-nano", "--dp", "2", "--reserved", "--seq-len", "64")
     assert refused.returncode != 0 and "cannot trace" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_the_quoted_replay_figures_and_the_planners_allocator_figure_are_what_the_benchmark_measured():
+    root = Path(__file__).resolve().parents[1]
+    result = json.loads((root / "benchmarks/results/reserved_replay.json").read_text())
+    docs = (root / "docs/memory.md").read_text()
+    rows = result["rows"]
+    assert sum(abs(r["reserved_error"]) <= 0.0032 for r in rows) == 4 and len(rows) == 8  # "within 0.32% on four of eight"
+    planned = sorted(r["device_planned_error"] for r in rows)
+    assert planned[0] > 0, "the planner's figure fell below what the GPU held"
+    assert f"+{planned[0]:.1%} to +{planned[-1]:.1%}, median +{statistics.median(planned):.1%}" in docs
+    # The planner's figure per recomputation mode bounds every replayed configuration of that mode.
+    for mode, largest in result["summary"]["largest_reserved_over_tensors_by_recompute"].items():
+        assert RESERVED_OVER_TENSORS[mode] >= largest, mode

@@ -40,8 +40,8 @@ from frenzy_prefect.units import GIB, MIB
 # each recomputation mode when the engine's step is traced and replayed through its rules
 # (frenzy_prefect/caching_allocator.py) on eight
 # configurations (benchmarks/reserved_replay.py, results/reserved_replay.json: x1.02-1.08 without
-# recomputation, x1.05 selective, x1.15 and x1.20 full; on an H200 the replay was within 0.3% of
-# max_memory_reserved on five of them). Full recomputation fragments most: each block is rebuilt
+# recomputation, x1.05 selective, x1.15 and x1.20 full; on an H200 the replay was within 0.32% of
+# max_memory_reserved on four of them). Full recomputation fragments most: each block is rebuilt
 # inside the backward, its activations allocated into blocks the previous step's pattern left.
 # The planner's figure for any plan; `frenzy estimate --reserved` replays the plan itself.
 RESERVED_OVER_TENSORS = {"none": 1.09, "selective": 1.09, "full": 1.20}
