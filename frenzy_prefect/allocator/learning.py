@@ -51,8 +51,8 @@ def learn(store: CalibrationStore, gpu: GpuType) -> Learned:
     # A run of more than one GPU held NCCL's buffers too, which single-GPU runs (and the fit's
     # overhead) do not: its assumed term is taken off first (the estimator adds it back for such plans).
     nccl = assumed_constants(gpu).nccl_bytes or 0
-    worst = [(max(r.ranks, key=_device), r.plan.gpus) for r in records]
-    memory = [(rank.predicted_tensors_bytes, _device(rank) - (nccl if gpus > 1 else 0)) for rank, gpus in worst if _device(rank)]
+    worst = [(r.worst_rank, r.plan.gpus) for r in records]
+    memory = [(k.predicted_tensors_bytes, k.device_bytes - (nccl if gpus > 1 else 0)) for k, gpus in worst if k.device_bytes]
     constants = None
     if len(memory) >= MINIMUM_RUNS:
         tensors, device = (list(column) for column in zip(*memory, strict=True))
@@ -62,10 +62,6 @@ def learn(store: CalibrationStore, gpu: GpuType) -> Learned:
     if len(timed) >= MINIMUM_RUNS:
         learned_gpu = gpu.model_copy(update={"achievable_fraction": fit_achievable_fraction(timed)})
     return Learned(learned_gpu, constants, len(memory), len(timed), records[-1] if records else None)
-
-
-def _device(rank) -> int:
-    return rank.device_bytes or 0
 
 
 def applied(store: CalibrationStore, cluster: ClusterSpec) -> tuple[ClusterSpec, Calibration, list[Learned]]:
@@ -88,10 +84,11 @@ def record_of(job: TrainingJob, result: TrainingResult, source: str) -> RunRecor
     plan, gpu = allocation.plan, job.cluster.known_gpu_types()[allocation.gpu_type]
     tensors = estimate(job.model, plan, work, gpu=gpu, calibration=Calibration(gpus={gpu.name: GpuConstants()})).per_stage
     peaks = {p.rank: p for p in result.rank_peaks}
+    per_stage = plan.dp * plan.tp  # ranks are numbered stage-major (ParallelPlan.coordinates)
     ranks = []
     for stage, predicted in enumerate(tensors):
-        members = [r for r in range(plan.gpus) if plan.coordinates(r)[0] == stage]
-        rank = max(members, key=lambda r: peaks[r].reserved_bytes if r in peaks else -r)
+        members = range(stage * per_stage, (stage + 1) * per_stage)
+        rank = max(members, key=lambda r: peaks[r].reserved_bytes) if peaks else members[0]
         peak = peaks.get(rank)
         held = {} if peak is None else {k: getattr(peak, k) for k in ("allocated_bytes", "reserved_bytes", "outside_allocator_bytes")}
         ranks.append(RankRecord(rank=rank, stage=stage, predicted_tensors_bytes=predicted.total, **held))

@@ -309,22 +309,16 @@ def calibrate(
 
 def _calibrate_from_runs(source: str, gpu: str | None, out: Path | None) -> None:
     """Each run of the store, predicted against measured, then per GPU type what is learned."""
-    import fsspec
-
     from frenzy_prefect.allocator.learning import learn
     from frenzy_prefect.memory.calibration import ENV, PACKAGED, Calibration, save
     from frenzy_prefect.memory.run_records import CalibrationStore
 
-    try:
-        with fsspec.open(source, "r") as f:
-            store = CalibrationStore.model_validate_json(f.read())
-    except (OSError, ValueError) as exc:
-        raise FrenzyError(f"cannot read calibration store {source}: {' '.join(str(exc).split())[:300]}") from None
+    store = CalibrationStore.load(source)
     table = plain_table(caption=f"calibration store of {store.cluster}: {len(store.records)} runs, GiB and seconds")
     for column in ("run", "gpu", "model", "plan", "tensors predicted", "tensors measured", "GPU held", "step predicted", "step measured"):
         table.add_column(column, justify="right")
     for r in store.records:
-        rank = max(r.ranks, key=lambda k: k.device_bytes or k.measured_tensors_bytes or 0)
+        rank = r.worst_rank
         held = rank.device_bytes
         table.add_row(
             r.source,

@@ -107,29 +107,18 @@ def discover_node(node: str, host: str, cluster: str) -> ClusterSpec:
     return spec
 
 
-def calibration_store_uri(output: str, cluster: str) -> str:
-    """The cluster's calibration store: beside the run's output folder (by default, the
-    dataset's frenzy-runs/), so the runs that write there share it."""
-    output = output.rstrip("/")
-    parent = output.rsplit("/", 1)[0] if "/" in output else "."
-    return f"{parent}/frenzy-calibration/{cluster}.json"
-
-
 def read_store(uri: str, cluster: str) -> CalibrationStore:
     """The store at ``uri``; a new one where there is none, or (saying so) where it cannot be read."""
     try:
-        if not exists(uri):
-            return CalibrationStore(cluster=cluster)
-        with open_uri(uri, "r") as f:
-            return CalibrationStore.model_validate_json(f.read())
-    except (FrenzyError, OSError, ValueError) as exc:
-        get_run_logger().warning(f"calibration store {uri} cannot be read ({' '.join(str(exc).split())[:200]}); planning without it")
+        return CalibrationStore.load(uri) if exists(uri) else CalibrationStore(cluster=cluster)
+    except FrenzyError as exc:
+        get_run_logger().warning(f"{exc}; planning without it")
         return CalibrationStore(cluster=cluster)
 
 
 def _last_run(record: RunRecord) -> str:
     """A run's predicted against measured peak and step, in a line."""
-    rank = max(record.ranks, key=lambda k: k.device_bytes or 0)
+    rank = record.worst_rank
     held = f"the GPU held {gib(rank.device_bytes)} GiB" if rank.device_bytes else "memory not measured (CPU)"
     step = f"step {duration(record.predicted_step_s)} predicted" if record.predicted_step_s else "step"
     measured = f"{duration(record.measured_step_s)} measured" if record.measured_step_s else "not measured"

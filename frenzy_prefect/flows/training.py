@@ -20,7 +20,6 @@ from frenzy_prefect.flows.reporting import TrainingReporter
 from frenzy_prefect.flows.restarts import failures_restart_while_torchrun_can, restarts_left
 from frenzy_prefect.flows.tasks import (
     allocate,
-    calibration_store_uri,
     estimate_memory,
     prepare_dataset,
     profile_cluster,
@@ -38,11 +37,21 @@ from frenzy_prefect.spec.result import TrainingReport, TrainingResult
 TRAINING_DEPLOYMENT = "distributed-train/frenzy"  # deployments named otherwise pass their own (deployments.py)
 
 
+def _folder(uri: str) -> str:
+    """The folder holding ``uri`` (a path or URI; "." for a bare name)."""
+    uri = uri.rstrip("/")
+    return uri.rsplit("/", 1)[0] if "/" in uri else "."
+
+
 def default_output(dataset: str, run_name: str) -> str:
     """Beside the dataset: <dataset dir>/frenzy-runs/<flow run name> (a raw prefix's parent, not inside it)."""
-    dataset = dataset.rstrip("/")
-    folder = dataset.rsplit("/", 1)[0] if "/" in dataset else "."
-    return f"{folder}/frenzy-runs/{run_name}"
+    return f"{_folder(dataset)}/frenzy-runs/{run_name}"
+
+
+def calibration_store_uri(output: str, cluster: str) -> str:
+    """The cluster's calibration store: beside the run's output folder (by default, the
+    dataset's frenzy-runs/), so the runs that write there share it."""
+    return f"{_folder(output)}/frenzy-calibration/{cluster}.json"
 
 
 class PlanChoice(RunInput):

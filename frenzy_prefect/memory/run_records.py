@@ -11,9 +11,11 @@ from datetime import UTC, datetime
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat
 
+from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import ParallelPlan
 from frenzy_prefect.spec.workload import Workload
+from frenzy_prefect.storage import open_uri
 
 KEEP_PER_SHAPE = 5  # records kept per (GPU type, model, plan, workload): the newest
 
@@ -57,6 +59,11 @@ class RunRecord(BaseModel):
     tokens_per_s: PositiveFloat | None = None
     baseline_tokens_per_s: PositiveFloat | None = Field(default=None, description="A bare training loop of the same model and batch.")
 
+    @property
+    def worst_rank(self) -> RankRecord:
+        """The rank whose GPU held most (on CPU: whose measured tensors were largest)."""
+        return max(self.ranks, key=lambda k: (k.device_bytes or 0, k.measured_tensors_bytes or 0))
+
     def shape(self) -> tuple:
         return (self.gpu_type, self.model.name, self.plan.label(), self.work.precision, self.work.seq_len, self.work.global_batch)
 
@@ -81,3 +88,12 @@ class CalibrationStore(BaseModel):
 
     def on(self, gpu_type: str | None) -> list[RunRecord]:
         return [r for r in self.records if r.gpu_type == gpu_type]
+
+    @classmethod
+    def load(cls, uri: str) -> CalibrationStore:
+        """The store at ``uri`` (a path or fsspec URI); an unreadable one is named in the error."""
+        try:
+            with open_uri(uri, "r") as f:
+                return cls.model_validate_json(f.read())
+        except (OSError, ValueError) as exc:
+            raise FrenzyError(f"cannot read calibration store {uri}: {' '.join(str(exc).split())[:300]}") from None
