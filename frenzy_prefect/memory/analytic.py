@@ -66,6 +66,7 @@ from frenzy_prefect.spec.layout import (
     block_shapes,
     block_tensors,
     check_plan,
+    check_tp,
     deal_out,
     head_shapes,
     layer_parameters,
@@ -76,6 +77,7 @@ from frenzy_prefect.spec.layout import (
     uses_ddp,
     vocab_rows,
     zero_bucket_elements,
+    zero_runs_with,
 )
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import MemoryBreakdown, MemoryEstimate, ParallelPlan
@@ -288,23 +290,50 @@ def in_flight_micro_batch_bytes(terms: MicroBatchTerms, plan: ParallelPlan, *, l
     return own + terms.boundary * ((not first) + (not last))
 
 
-def activation_moments(terms: MicroBatchTerms, plan: ParallelPlan, *, layers: int, micro_batches: int, stage: int) -> Moments:
-    """The candidate peaks of a rank of ``stage`` holding ``layers``: 1F1B keeps
-    min(pp - stage, micro-batches) of its micro-batches in flight, the oldest in its backward."""
-    first, last = stage == 0, stage == plan.pp - 1
-    head = terms.head if last else 0
-    micro = in_flight_micro_batch_bytes(terms, plan, layers=layers, stage=stage)
+class StageShape(NamedTuple):
+    """A rank of one pipeline stage, whatever the data parallelism and ZeRO: its layers,
+    parameters, largest parameter tensor, and the bytes of one micro-batch in flight on it."""
+
+    layers: int
+    params: int
+    largest: int
+    micro: int
+
+
+@lru_cache(maxsize=4096)
+def stage_inputs(
+    model: ModelSpec, tp: int, pp: int, micro_batch: int, recompute: str, work: Workload
+) -> tuple[MicroBatchTerms, tuple[StageShape, ...]]:
+    """What every plan of this (tp, pp, micro-batch, recomputation) shares, computed once for all
+    its data-parallel degrees and ZeRO stages: a micro-batch's terms and each stage's shape."""
+    check_tp(model, tp)
+    if pp > model.layers:
+        raise FrenzyError(f"pp ({pp}) must not exceed the number of layers ({model.layers}); accepted: 1..{model.layers}")
+    terms = micro_batch_terms(model, tp, micro_batch, recompute, work)
+    shape = ParallelPlan(tp=tp, pp=pp)
+    return terms, tuple(
+        StageShape(layers, params, largest, in_flight_micro_batch_bytes(terms, shape, layers=layers, stage=stage))
+        for stage, (layers, params, largest) in enumerate(stage_shapes(model, tp, pp))
+    )
+
+
+def activation_moments(terms: MicroBatchTerms, pp: int, stage: StageShape, index: int, micro_batches: int) -> Moments:
+    """The candidate peaks of a rank of pipeline stage ``index`` (of ``pp``): 1F1B keeps
+    min(pp - index, micro-batches) of its micro-batches in flight, the oldest in its backward."""
+    first, last = index == 0, index == pp - 1
+    micro = stage.micro
     ids = micro_batches * terms.ids
-    held = (min(plan.pp - stage, micro_batches) - 1) * micro + ids
-    pending = terms.tied_pending if plan.pp == 1 else 0
-    cache = layers * terms.cache_layer
+    held = (min(pp - index, micro_batches) - 1) * micro + ids
+    pending = terms.tied_pending if pp == 1 else 0
+    cache = stage.layers * terms.cache_layer
     if last:
         before = ((held + micro, cache), (held + micro, cache + terms.logits), (held + micro, terms.loss_backward))
+        after_head = held + micro - terms.head
+        final_norm = (after_head + terms.final_norm_saved, terms.final_norm_backward + pending)
     else:
-        before = ((held + micro, cache),)
+        before, after_head, final_norm = ((held + micro, cache),), held + micro, None
     embedding = (held, terms.embedding_backward + pending) if first else None
-    final_norm = (held + micro - head + terms.final_norm_saved, terms.final_norm_backward + pending) if last else None
-    return Moments(before, (held + micro - head, terms.block_temp + pending), embedding, ids, final_norm)
+    return Moments(before, (after_head, terms.block_temp + pending), embedding, ids, final_norm)
 
 
 def adam_temporaries(tensor_elements: int, optimizer_bytes_per_param: int, on_gpu: bool) -> int:
@@ -319,41 +348,42 @@ def adam_temporaries(tensor_elements: int, optimizer_bytes_per_param: int, on_gp
 Breakdown = tuple[int, int, int, int, int]  # params, grads, optimizer, saved activations, transient
 
 
-@lru_cache(maxsize=1 << 16)  # the allocator asks again for each GPU type: one plan search fits
 def stage_peaks(
     model: ModelSpec, plan: ParallelPlan, work: Workload, *, on_gpu: bool, stages: Sequence[int] | None = None
 ) -> tuple[Breakdown, ...]:
     """The tensors at the peak of a rank of each of ``stages`` (default: every pipeline stage), as
     plain tuples. Master weights: half weights (2 bytes), fp32 main gradients (4) and fp32
     masters beside the optimizer states (4 + states, both for the replica's share under ZeRO-1)."""
-    check_plan(model, plan)
+    if not zero_runs_with(plan.zero, plan.tp, plan.pp):
+        check_plan(model, plan)  # names what would be accepted
     if work.master_weights and plan.zero == 2:
         raise FrenzyError("master weights are half weights beside fp32 masters, with zero 0, 1 or 3 (not 2) and precision bf16 or fp16")
     micro_batches = plan.accumulation(work.global_batch)
-    terms = micro_batch_terms(model, plan.tp, plan.micro_batch, plan.recompute, work)
+    terms, shapes = stage_inputs(model, plan.tp, plan.pp, plan.micro_batch, plan.recompute, work)
     optimizer_bytes = work.optimizer_bytes_per_param
     weight_bytes = COMPUTE_BYTES[work.precision] if work.master_weights else FP32
     master_bytes = FP32 if work.master_weights else 0
-    shapes = stage_shapes(model, plan.tp, plan.pp)
+    rebuilds = uses_ddp(plan, work.master_weights)
     out = []
     for stage in range(plan.pp) if stages is None else stages:
-        layers, params, largest = shapes[stage]
-        moments = activation_moments(terms, plan, layers=layers, micro_batches=micro_batches, stage=stage)
+        shape = shapes[stage]
+        moments = activation_moments(terms, plan.pp, shape, stage, micro_batches)
         if plan.zero == 3:
             out.append(fully_sharded_peak(model, plan, moments, optimizer_bytes, on_gpu, weight_bytes))
             continue
         if plan.zero == 2:
             out.append(_zero2_peak(model, plan, moments, micro_batches, optimizer_bytes, on_gpu))
             continue
+        params = shape.params
+        # The forward's and backward's peaks; the step's and DDP's bucket rebuild depend on the share.
+        activations = max((*moments.before_grads, moments.block, moments.final_norm or (0, 0), moments.embedding or (0, 0)), key=sum)
+        rebuild = (moments.ids, FP32 * params if rebuilds else 0)
         # ZeRO-1: each data-parallel rank updates its share of the tensors; the worst share decides.
-        shares = optimizer_shares(model, plan.tp, plan.pp, plan.dp, stage) if plan.zero == 1 else ((params, largest),)
+        shares = optimizer_shares(model, plan.tp, plan.pp, plan.dp, stage) if plan.zero == 1 else ((params, shape.largest),)
         worst: Breakdown = (0, 0, 0, 0, 0)
         for owned, owned_largest in shares:
             step = (moments.ids, adam_temporaries(owned if on_gpu else owned_largest, optimizer_bytes, on_gpu))
-            rebuild = (moments.ids, FP32 * params if uses_ddp(plan, work.master_weights) else 0)
-            saved, transient = max(
-                (*moments.before_grads, moments.block, moments.final_norm or step, moments.embedding or step, step, rebuild), key=sum
-            )
+            saved, transient = max((activations, step, rebuild), key=sum)
             states = (master_bytes + optimizer_bytes) * owned
             worst = max(worst, (weight_bytes * params, FP32 * params, states, saved, transient), key=sum)
         out.append(worst)
@@ -382,17 +412,26 @@ def _runtime(constants: GpuConstants, tensors: int, plan: ParallelPlan) -> int:
     return constants.overhead_for(plan.gpus) + math.ceil((fragmentation - 1) * tensors)
 
 
+# The allocator itemises each plan again for each GPU type: one plan search fits. The search
+# path (``peak_bytes``) computes afresh, faster than the cache's key.
+all_stage_peaks = lru_cache(maxsize=1 << 16)(stage_peaks)
+
+
+def on_device(tensors: int, plan: ParallelPlan, gpu: GpuType | None, *, calibration: Calibration | None = None) -> int:
+    """The planner's figure for a rank of ``plan`` whose tensors peak at ``tensors`` on ``gpu``:
+    what the fit test compares with the GPU (any framework's tensors, as ``peak_bytes`` ours)."""
+    return tensors + _runtime((calibration or default_calibration()).for_gpu(gpu), tensors, plan)
+
+
 def peak_bytes(
     model: ModelSpec, plan: ParallelPlan, work: Workload, *, gpu: GpuType | None = None, calibration: Calibration | None = None
 ) -> int:
     """The predicted peak of ``plan``'s most loaded GPU, without the itemised breakdown."""
-    constants = (calibration or default_calibration()).for_gpu(gpu)
     # The middle stages' peaks fall with their index (fewer micro-batches in flight, no more
     # layers), so the first, second and last stages bound them all.
     pp = plan.pp
     peaks = stage_peaks(model, plan, work, on_gpu=gpu is not None, stages=(0, 1, pp - 1) if pp > 2 else range(pp))
-    tensors = max(sum(p) for p in peaks)
-    return tensors + _runtime(constants, tensors, plan)
+    return on_device(max(sum(p) for p in peaks), plan, gpu, calibration=calibration)
 
 
 def estimate(
@@ -401,7 +440,7 @@ def estimate(
     """Predicted peak bytes on one GPU of every pipeline stage of ``plan``, itemised (``gpu``
     None: the tensors alone, as MemTracker measures them on CPU)."""
     constants = (calibration or default_calibration()).for_gpu(gpu)
-    peaks = stage_peaks(model, plan, work, on_gpu=gpu is not None)
+    peaks = all_stage_peaks(model, plan, work, on_gpu=gpu is not None)
     # Validated, not model_construct: pydantic 2.14 validates five ints faster than it constructs
     # without validation (3.7 against 8 us), and the allocator does this for every candidate plan.
     return MemoryEstimate(
