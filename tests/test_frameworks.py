@@ -66,6 +66,28 @@ def test_megatron_fused_cross_entropy_keeps_one_more_fp32_copy_of_the_last_stage
     assert fused - plain == 4 * 1024 * 4 * mg.padded_vocab(GPT, 2) // 2
 
 
+def test_megatron_deferred_output_wgrad_keeps_input_and_gradient_of_the_deferred_micro_batches_on_the_last_stage():
+    # --defer-embedding-wgrad-compute: min(limit, micro-batches - 1) earlier micro-batches' output-layer
+    # input (2 s b h) and 16-bit logits gradient (2 s b V/t) are alive while the last one runs; 0 means all.
+    plan = ParallelPlan(dp=2, tp=2, pp=2, micro_batch=4)
+    pair = 2 * 1024 * 4 * (mg.padded_vocab(GPT, 2) // 2) + 2 * 1024 * 4 * GPT.hidden // 2  # sequence parallel input
+    off = _run("megatron", plan, global_batch=32).per_stage  # 4 micro-batches
+    for limit, pairs in ((2, 2), (0, 3), (9, 3)):
+        deferred = _run("megatron", plan, global_batch=32, options=MegatronOptions(wgrad_deferral=limit)).per_stage
+        assert deferred[-1].total - off[-1].total == pairs * pair
+        assert deferred[0].total == off[0].total  # the output layer is the last stage's
+    one_stage = ParallelPlan(dp=2, tp=2, micro_batch=4)
+    deferred = _run("megatron", one_stage, global_batch=32, options=MegatronOptions(wgrad_deferral=2))
+    assert deferred == _run("megatron", one_stage, global_batch=32)  # Megatron defers only with pipelines
+
+
+def test_megatron_qk_layernorm_saves_the_query_and_key_inputs_and_statistics_per_layer():
+    plan = ParallelPlan(dp=1, tp=2, micro_batch=1)
+    plain, normed = (_run("megatron", plan, global_batch=1, options=MegatronOptions(qk_layernorm=q)).per_stage[0] for q in (False, True))
+    per_token = (2 * (GPT.hidden + GPT.kv_width) + 8 * (GPT.heads + GPT.kv_heads)) // 2  # bf16 inputs, LayerNorm's two fp32 statistics
+    assert normed.activations - plain.activations == GPT.layers * 1024 * per_token
+
+
 def test_fsdp_states_of_llama_are_16_bytes_per_parameter_over_dp_at_the_step():
     plan = ParallelPlan(dp=8, micro_batch=1, zero=3, recompute="full")
     b = _run("fsdp", plan, model=LLAMA, seq_len=512).per_stage[0]

@@ -44,6 +44,16 @@ Assumptions, each with its source (re-derived, no code copied):
 - Without gradient-accumulation fusion (``--no-gradient-accumulation-fusion``) each weight
   gradient is materialised in 16 bits before it is added to ``main_grad``: the largest such
   temporary (the output layer's, else the MLP's first projection) joins the backward moments.
+- ``--defer-embedding-wgrad-compute`` (pp > 1): the output layer keeps its input
+  (``ColumnParallelLinear.forward``: ``embedding_activation_buffer``) and its 16-bit output
+  gradient (``LinearWithGradAccumulationAndAsyncCommunication.backward``: ``grad_output_buffer``)
+  for the first ``--wgrad-deferral-limit`` micro-batches of the step (0: all), in
+  ``megatron/core/tensor_parallel/layers.py``, until the pipeline flush computes their weight
+  gradients (``schedules.finish_embedding_wgrad_compute``): while the last micro-batch runs
+  through the last stage, min(limit, micro-batches - 1) such pairs live beside it.
+- ``--qk-layernorm`` normalises each query and key head (``megatron/core/transformer/attention.py``,
+  ``q_layernorm``/``k_layernorm``): each norm saves its 16-bit input and its fp32 statistics
+  per head; the norms' weights (4 x head size per layer) are left out.
 - Not modelled: context parallelism, experts, FP8, CPU offloading, Megatron's own FSDP.
 """
 
@@ -74,6 +84,8 @@ class MegatronOptions:
     first_stage_layers: int | None = None  # --decoder-first-pipeline-num-layers
     last_stage_layers: int | None = None  # --decoder-last-pipeline-num-layers
     cross_entropy_fusion: bool = False  # --cross-entropy-loss-fusion (native, torch.compile'd)
+    wgrad_deferral: int | None = None  # --defer-embedding-wgrad-compute with --wgrad-deferral-limit (0: all); None: off
+    qk_layernorm: bool = False  # --qk-layernorm
 
     def sp(self, tp: int) -> bool:
         return tp > 1 if self.sequence_parallel is None else self.sequence_parallel and tp > 1
@@ -138,9 +150,10 @@ class _Terms:
     softmax: int  # the fp32 softmax alone (it becomes the logits' gradient in place)
     logits_transient: int  # the 16-bit logits (or their gradient) beside the fp32 softmax
     output_backward: int  # the output layer's backward: logits gradient, input gradient, weight gradient
+    deferred_wgrad: int  # one micro-batch's output-layer input and 16-bit output gradient, kept for a deferred weight gradient
 
 
-def _layer_bytes(model: ModelSpec, t: int, sp: bool, e: int, attention: Attention) -> tuple[int, int]:
+def _layer_bytes(model: ModelSpec, t: int, sp: bool, e: int, attention: Attention, qk_layernorm: bool) -> tuple[int, int]:
     """Bytes one layer saves per token without recomputation, apart from eager attention's
     s-sized tensors: (replicated over tp unless sequence parallel, split over tp)."""
     h, kv, f, a = model.hidden, model.kv_width, model.ffn_hidden, model.heads
@@ -148,6 +161,8 @@ def _layer_bytes(model: ModelSpec, t: int, sp: bool, e: int, attention: Attentio
     masks = 2 * h if model.hidden_dropout > 0 else 0
     replicated = 2 * (2 * e * h + stats) + masks  # two norms' inputs and outputs, dropout masks
     sharded = e * (2 * h + 2 * kv) + (FP32 * a if attention == "flash" else 0)  # Q, K, V, attention output; flash's log-sum-exp
+    if qk_layernorm:  # the query and key norms' inputs, and their statistics per head
+        sharded += e * (h + kv) + stats * (a + model.kv_heads)
     f_in = 2 * f if model.mlp == "swiglu" else f
     sharded += e * (f_in + f)
     return replicated // (t if sp else 1), sharded // t
@@ -167,7 +182,7 @@ def micro_batch_terms(model: ModelSpec, plan: ParallelPlan, work: Workload, opti
     tokens, h, f = seq_len * plan.micro_batch, model.hidden, model.ffn_hidden
     f_in = 2 * f if model.mlp == "swiglu" else f
     V = padded_vocab(model, t)
-    replicated, sharded = _layer_bytes(model, t, sp, e, attention)
+    replicated, sharded = _layer_bytes(model, t, sp, e, attention, options.qk_layernorm)
     core = _eager_core(model, e, seq_len, options.masked_softmax_fusion) // t if attention == "eager" else 0
     full = tokens * (replicated + sharded + core)
     if plan.recompute == "none":
@@ -193,6 +208,7 @@ def micro_batch_terms(model: ModelSpec, plan: ParallelPlan, work: Workload, opti
         softmax=FP32 * logits,
         logits_transient=(e if e < FP32 else 0) * logits + (FP32 * logits if options.cross_entropy_fusion else 0),
         output_backward=e * logits + e * tokens * h + (0 if options.grad_accumulation_fusion else e * V // t * h),
+        deferred_wgrad=e * logits + e * tokens * h // (t if sp else 1),
     )
 
 
@@ -250,6 +266,8 @@ def estimate(
         saved = len(chunks) * layers // v * terms.layer
         saved += sum(terms.embedding for c in chunks if first and c == 0)
         saved += sum(terms.head for c in chunks if last and c == v - 1)
+        if last and plan.pp > 1 and options.wgrad_deferral is not None:
+            saved += min(options.wgrad_deferral or micro_batches, micro_batches - 1) * terms.deferred_wgrad
         moments = [(saved, terms.layer_backward)]
         if last and (v - 1) in chunks:
             moments.append((saved, max(terms.logits_transient, terms.output_backward - terms.softmax)))
