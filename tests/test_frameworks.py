@@ -76,9 +76,9 @@ def test_megatron_deferred_output_wgrad_keeps_input_and_gradient_of_the_deferred
         deferred = _run("megatron", plan, global_batch=32, options=MegatronOptions(wgrad_deferral=limit)).per_stage
         assert deferred[-1].total - off[-1].total == pairs * pair
         assert deferred[0].total == off[0].total  # the output layer is the last stage's
-    one_stage = ParallelPlan(dp=2, tp=2, micro_batch=4)
-    deferred = _run("megatron", one_stage, global_batch=32, options=MegatronOptions(wgrad_deferral=2))
-    assert deferred == _run("megatron", one_stage, global_batch=32)  # Megatron defers only with pipelines
+    for refused, options in ((ParallelPlan(dp=2, tp=2, micro_batch=4), {}), (plan, {"grad_accumulation_fusion": False})):
+        with pytest.raises(FrenzyError, match="needs pp >= 2 and gradient-accumulation fusion"):  # as Megatron refuses them
+            _run("megatron", refused, global_batch=32, options=MegatronOptions(wgrad_deferral=2, **options))
 
 
 def test_megatron_qk_layernorm_saves_the_query_and_key_inputs_and_statistics_per_layer():

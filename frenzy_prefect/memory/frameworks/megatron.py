@@ -44,7 +44,8 @@ Assumptions, each with its source (re-derived, no code copied):
 - Without gradient-accumulation fusion (``--no-gradient-accumulation-fusion``) each weight
   gradient is materialised in 16 bits before it is added to ``main_grad``: the largest such
   temporary (the output layer's, else the MLP's first projection) joins the backward moments.
-- ``--defer-embedding-wgrad-compute`` (pp > 1): the output layer keeps its input
+- ``--defer-embedding-wgrad-compute`` (pp > 1 with gradient-accumulation fusion, which Megatron's
+  ``TransformerConfig`` requires): the output layer keeps its input
   (``ColumnParallelLinear.forward``: ``embedding_activation_buffer``) and its 16-bit output
   gradient (``LinearWithGradAccumulationAndAsyncCommunication.backward``: ``grad_output_buffer``)
   for the first ``--wgrad-deferral-limit`` micro-batches of the step (0: all), in
@@ -233,6 +234,9 @@ def _check(model: ModelSpec, plan: ParallelPlan, options: MegatronOptions, micro
     v = options.vpp or 1
     if v > 1 and (plan.pp < 2 or model.layers % (plan.pp * v)):
         raise FrenzyError(f"vpp={v} needs pp >= 2 and layers ({model.layers}) divisible by pp * vpp ({plan.pp * v})")
+    if options.wgrad_deferral is not None and (plan.pp < 2 or not options.grad_accumulation_fusion):
+        # Megatron's TransformerConfig refuses both, so no run can hold what this would count.
+        raise FrenzyError("wgrad_deferral (--defer-embedding-wgrad-compute) needs pp >= 2 and gradient-accumulation fusion")
 
 
 def model_state_bytes(plan: ParallelPlan, params: int, work: Workload) -> tuple[int, int, int]:
@@ -266,7 +270,7 @@ def estimate(
         saved = len(chunks) * layers // v * terms.layer
         saved += sum(terms.embedding for c in chunks if first and c == 0)
         saved += sum(terms.head for c in chunks if last and c == v - 1)
-        if last and plan.pp > 1 and options.wgrad_deferral is not None:
+        if last and options.wgrad_deferral is not None:
             saved += min(options.wgrad_deferral or micro_batches, micro_batches - 1) * terms.deferred_wgrad
         moments = [(saved, terms.layer_backward)]
         if last and (v - 1) in chunks:
