@@ -159,15 +159,16 @@ def test_memory_unaware_policies_run_out_of_memory_and_retry_where_frenzy_does_n
 
 def test_frenzy_runs_out_of_memory_when_the_truth_exceeds_its_estimate_and_then_plans_with_more_room():
     """The simulator's memory truth is not frenzy's estimate: a job whose true peak is 29% above
-    MARP's (seed 0 draws e = -22.6% for "j9") overflows the plan frenzy believed fits with its
-    margin, once; the rerun plans with the estimates scaled by what the failure proved."""
+    MARP's (seed 0 draws the largest under-prediction, e = -23.3%, for "xl45") overflows the plan
+    frenzy believed fits with its margin, once; the rerun plans with the estimates scaled by what
+    the failure proved."""
     spec, truth = cluster(("T4", 8)), MemoryTruth(seed=0)
-    xl = job("j9", model="gpt2-xl", batch=128)
-    assert truth.error("j9") == min(e for e in PUBLISHED_ERRORS if e > -0.23)
+    xl = job("xl45", model="gpt2-xl", batch=128)
+    assert truth.error("xl45") == min(PUBLISHED_ERRORS)
     sim = SimCluster(spec)
     believed = make_policy("frenzy").ranked(xl, sim)[0].option
     t4 = GPU_CATALOG["T4"].memory_bytes
-    assert believed.peak_bytes + spec.memory_margin.bytes_for(t4) <= t4 < truth.peak_bytes("j9", believed.peak_bytes)
+    assert believed.peak_bytes + spec.memory_margin.bytes_for(t4) <= t4 < truth.peak_bytes("xl45", believed.peak_bytes)
     result = simulate([xl], spec, make_policy("frenzy"), truth)
     assert result.out_of_memory_restarts == 1 and result.jobs_completed == 1
     exact = simulate([xl], spec, make_policy("frenzy"), MemoryTruth(exact=True))
