@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 from benchmarks import write_result
-from frenzy_prefect.memory import estimate, peak_bytes
-from frenzy_prefect.memory.analytic import all_stage_peaks
+from frenzy_prefect.memory import estimate
+from frenzy_prefect.memory.analytic import PlanSearch, shared_by_plans
 from frenzy_prefect.profiling.model import PRESETS
 from frenzy_prefect.spec.catalog import GPU_CATALOG
 from frenzy_prefect.spec.plan import ParallelPlan
@@ -50,14 +50,21 @@ def main() -> None:
         (p, b): Workload(global_batch=b, seq_len=args.seq_len, precision=p) for _, p, b in plans
     }  # one per search, as the allocator has
     h100 = GPU_CATALOG["H100"]
-    # The tensors alone (the CPU figure), then with a GPU's terms as the scheduler's search asks.
-    for name, fn, gpu in (("peak_bytes", peak_bytes, None), ("estimate", estimate, None), ("peak_bytes_h100", peak_bytes, h100)):
+    # A search holds one PlanSearch per (workload, GPU type), as the allocator and the scheduler
+    # do; made anew each repeat, so that what plans share is computed again. ``peak_bytes`` and
+    # ``estimate``: the tensors alone (the CPU figure); ``_h100``: with an H100's terms.
+    for name, gpu in (("peak_bytes", None), ("estimate", None), ("peak_bytes_h100", h100)):
         best = float("inf")
         for _ in range(args.repeat):
-            all_stage_peaks.cache_clear()  # each plan itemised once a repeat (the allocator asks again only per GPU type)
+            shared_by_plans.cache_clear()
             started = time.perf_counter()
+            searches = {key: PlanSearch(model, work, gpu) for key, work in works.items()}
             for plan, precision, global_batch in plans:
-                fn(model, plan, works[precision, global_batch], gpu=gpu)
+                search = searches[precision, global_batch]
+                if name == "estimate":
+                    estimate(model, plan, search.work, gpu=gpu)
+                else:
+                    search.peak_bytes(plan)
             best = min(best, time.perf_counter() - started)
         result[name] = {"best_wall_s": best, "plans_per_s": len(plans) / best}
         print(f"{name:<16} {model.name:<12} {len(plans):>7} {best:>12.4f} {len(plans) / best:>12,.0f}")

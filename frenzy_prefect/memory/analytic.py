@@ -300,23 +300,6 @@ class StageShape(NamedTuple):
     micro: int
 
 
-@lru_cache(maxsize=4096)
-def stage_inputs(
-    model: ModelSpec, tp: int, pp: int, micro_batch: int, recompute: str, work: Workload
-) -> tuple[MicroBatchTerms, tuple[StageShape, ...]]:
-    """What every plan of this (tp, pp, micro-batch, recomputation) shares, computed once for all
-    its data-parallel degrees and ZeRO stages: a micro-batch's terms and each stage's shape."""
-    check_tp(model, tp)
-    if pp > model.layers:
-        raise FrenzyError(f"pp ({pp}) must not exceed the number of layers ({model.layers}); accepted: 1..{model.layers}")
-    terms = micro_batch_terms(model, tp, micro_batch, recompute, work)
-    shape = ParallelPlan(tp=tp, pp=pp)
-    return terms, tuple(
-        StageShape(layers, params, largest, in_flight_micro_batch_bytes(terms, shape, layers=layers, stage=stage))
-        for stage, (layers, params, largest) in enumerate(stage_shapes(model, tp, pp))
-    )
-
-
 def activation_moments(terms: MicroBatchTerms, pp: int, stage: StageShape, index: int, micro_batches: int) -> Moments:
     """The candidate peaks of a rank of pipeline stage ``index`` (of ``pp``): 1F1B keeps
     min(pp - index, micro-batches) of its micro-batches in flight, the oldest in its backward."""
@@ -348,46 +331,103 @@ def adam_temporaries(tensor_elements: int, optimizer_bytes_per_param: int, on_gp
 Breakdown = tuple[int, int, int, int, int]  # params, grads, optimizer, saved activations, transient
 
 
-def stage_peaks(
-    model: ModelSpec, plan: ParallelPlan, work: Workload, *, on_gpu: bool, stages: Sequence[int] | None = None
-) -> tuple[Breakdown, ...]:
-    """The tensors at the peak of a rank of each of ``stages`` (default: every pipeline stage), as
-    plain tuples. Master weights: half weights (2 bytes), fp32 main gradients (4) and fp32
-    masters beside the optimizer states (4 + states, both for the replica's share under ZeRO-1)."""
-    if not zero_runs_with(plan.zero, plan.tp, plan.pp):
-        check_plan(model, plan)  # names what would be accepted
-    if work.master_weights and plan.zero == 2:
-        raise FrenzyError("master weights are half weights beside fp32 masters, with zero 0, 1 or 3 (not 2) and precision bf16 or fp16")
-    micro_batches = plan.accumulation(work.global_batch)
-    terms, shapes = stage_inputs(model, plan.tp, plan.pp, plan.micro_batch, plan.recompute, work)
-    optimizer_bytes = work.optimizer_bytes_per_param
-    weight_bytes = COMPUTE_BYTES[work.precision] if work.master_weights else FP32
-    master_bytes = FP32 if work.master_weights else 0
-    rebuilds = uses_ddp(plan, work.master_weights)
-    out = []
-    for stage in range(plan.pp) if stages is None else stages:
-        shape = shapes[stage]
-        moments = activation_moments(terms, plan.pp, shape, stage, micro_batches)
-        if plan.zero == 3:
-            out.append(fully_sharded_peak(model, plan, moments, optimizer_bytes, on_gpu, weight_bytes))
-            continue
-        if plan.zero == 2:
-            out.append(_zero2_peak(model, plan, moments, micro_batches, optimizer_bytes, on_gpu))
-            continue
+class PlanSearch:
+    """MARP as a plan search asks it: one model and workload, on a GPU type (``gpu`` None: the
+    tensors alone, as on CPU), for plan after plan. What every plan of one (tp, pp, micro-batch,
+    recomputation) shares is computed once for all their data-parallel degrees and ZeRO stages:
+    a micro-batch's terms and each stage's shape. Hold one for a search; the allocator and the
+    scheduler do, per GPU type."""
+
+    def __init__(self, model: ModelSpec, work: Workload, gpu: GpuType | None = None, calibration: Calibration | None = None):
+        self.model, self.work, self.on_gpu = model, work, gpu is not None
+        self.constants = (calibration or default_calibration()).for_gpu(gpu)
+        self.optimizer_bytes = work.optimizer_bytes_per_param
+        # Master weights: half weights (2 bytes), fp32 main gradients (4) and fp32 masters beside
+        # the optimizer states (4 + states, both for the replica's share under ZeRO-1).
+        self.weight_bytes = COMPUTE_BYTES[work.precision] if work.master_weights else FP32
+        self.state_bytes = (FP32 if work.master_weights else 0) + self.optimizer_bytes
+        self._shared: dict[tuple[int, int, int, str], tuple[MicroBatchTerms, tuple[StageShape, ...]]] = {}
+
+    def shared(self, plan: ParallelPlan) -> tuple[MicroBatchTerms, tuple[StageShape, ...]]:
+        """A micro-batch's terms and each stage's shape for ``plan``'s tp, pp, micro-batch and recomputation."""
+        key = (plan.tp, plan.pp, plan.micro_batch, plan.recompute)
+        found = self._shared.get(key)
+        if found is None:
+            found = self._shared[key] = shared_by_plans(self.model, *key, self.work)
+        return found
+
+    def stage_peaks(self, plan: ParallelPlan, stages: Sequence[int] | None = None) -> tuple[Breakdown, ...]:
+        """The tensors at the peak of a rank of each of ``stages`` (default: every pipeline stage), as plain tuples."""
+        if not zero_runs_with(plan.zero, plan.tp, plan.pp):
+            check_plan(self.model, plan)  # names what would be accepted
+        if self.work.master_weights and plan.zero == 2:
+            raise FrenzyError("master weights are half weights beside fp32 masters, with zero 0, 1 or 3 (not 2) and precision bf16 or fp16")
+        micro_batches = plan.accumulation(self.work.global_batch)
+        terms, shapes = self.shared(plan)
+        rebuilds = uses_ddp(plan, self.work.master_weights)
+        out = []
+        for stage in range(plan.pp) if stages is None else stages:
+            shape = shapes[stage]
+            moments = activation_moments(terms, plan.pp, shape, stage, micro_batches)
+            if plan.zero == 3:
+                out.append(fully_sharded_peak(self.model, plan, moments, self.optimizer_bytes, self.on_gpu, self.weight_bytes))
+            elif plan.zero == 2:
+                out.append(_zero2_peak(self.model, plan, moments, micro_batches, self.optimizer_bytes, self.on_gpu))
+            else:
+                out.append(self._replicated_peak(plan, stage, shape, moments, rebuilds))
+        return tuple(out)
+
+    def _replicated_peak(self, plan: ParallelPlan, stage: int, shape: StageShape, moments: Moments, rebuilds: bool) -> Breakdown:
+        """A rank whose weights and gradients are whole (ZeRO 0 and 1) at its peak."""
         params = shape.params
         # The forward's and backward's peaks; the step's and DDP's bucket rebuild depend on the share.
         activations = max((*moments.before_grads, moments.block, moments.final_norm or (0, 0), moments.embedding or (0, 0)), key=sum)
         rebuild = (moments.ids, FP32 * params if rebuilds else 0)
         # ZeRO-1: each data-parallel rank updates its share of the tensors; the worst share decides.
-        shares = optimizer_shares(model, plan.tp, plan.pp, plan.dp, stage) if plan.zero == 1 else ((params, shape.largest),)
+        shares = optimizer_shares(self.model, plan.tp, plan.pp, plan.dp, stage) if plan.zero == 1 else ((params, shape.largest),)
         worst: Breakdown = (0, 0, 0, 0, 0)
         for owned, owned_largest in shares:
-            step = (moments.ids, adam_temporaries(owned if on_gpu else owned_largest, optimizer_bytes, on_gpu))
+            step = (moments.ids, adam_temporaries(owned if self.on_gpu else owned_largest, self.optimizer_bytes, self.on_gpu))
             saved, transient = max((activations, step, rebuild), key=sum)
-            states = (master_bytes + optimizer_bytes) * owned
-            worst = max(worst, (weight_bytes * params, FP32 * params, states, saved, transient), key=sum)
-        out.append(worst)
-    return tuple(out)
+            worst = max(worst, (self.weight_bytes * params, FP32 * params, self.state_bytes * owned, saved, transient), key=sum)
+        return worst
+
+    def peak_bytes(self, plan: ParallelPlan) -> int:
+        """The predicted peak of ``plan``'s most loaded GPU, without the itemised breakdown."""
+        # The middle stages' peaks fall with their index (fewer micro-batches in flight, no more
+        # layers), so the first, second and last stages bound them all.
+        pp = plan.pp
+        tensors = max(sum(p) for p in self.stage_peaks(plan, (0, 1, pp - 1) if pp > 2 else range(pp)))
+        return tensors + _runtime(self.constants, tensors, plan)
+
+
+@lru_cache(maxsize=4096)
+def shared_by_plans(
+    model: ModelSpec, tp: int, pp: int, micro_batch: int, recompute: str, work: Workload
+) -> tuple[MicroBatchTerms, tuple[StageShape, ...]]:
+    """What every plan of this (tp, pp, micro-batch, recomputation) shares: a micro-batch's terms
+    and each stage's shape (what ``PlanSearch.shared`` keeps per search)."""
+    check_tp(model, tp)
+    if pp > model.layers:
+        raise FrenzyError(f"pp ({pp}) must not exceed the number of layers ({model.layers}); accepted: 1..{model.layers}")
+    terms = micro_batch_terms(model, tp, micro_batch, recompute, work)
+    shape = ParallelPlan(tp=tp, pp=pp)
+    return terms, tuple(
+        StageShape(layers, params, largest, in_flight_micro_batch_bytes(terms, shape, layers=layers, stage=stage))
+        for stage, (layers, params, largest) in enumerate(stage_shapes(model, tp, pp))
+    )
+
+
+@lru_cache(maxsize=256)
+def _default_search(model: ModelSpec, work: Workload, gpu: GpuType | None) -> PlanSearch:
+    return PlanSearch(model, work, gpu)
+
+
+def plan_search(model: ModelSpec, work: Workload, gpu: GpuType | None = None, calibration: Calibration | None = None) -> PlanSearch:
+    """The search for (model, workload, GPU type): kept and shared with the default calibration
+    (a plan asked again, as the allocator itemises each plan per type, reuses what its shape
+    shares), made afresh with another."""
+    return _default_search(model, work, gpu) if calibration is None else PlanSearch(model, work, gpu, calibration)
 
 
 @lru_cache(maxsize=4096)
@@ -412,11 +452,6 @@ def _runtime(constants: GpuConstants, tensors: int, plan: ParallelPlan) -> int:
     return constants.overhead_for(plan.gpus) + math.ceil((fragmentation - 1) * tensors)
 
 
-# The allocator itemises each plan again for each GPU type: one plan search fits. The search
-# path (``peak_bytes``) computes afresh, faster than the cache's key.
-all_stage_peaks = lru_cache(maxsize=1 << 16)(stage_peaks)
-
-
 def on_device(tensors: int, plan: ParallelPlan, gpu: GpuType | None, *, calibration: Calibration | None = None) -> int:
     """The planner's figure for a rank of ``plan`` whose tensors peak at ``tensors`` on ``gpu``:
     what the fit test compares with the GPU (any framework's tensors, as ``peak_bytes`` ours)."""
@@ -426,12 +461,9 @@ def on_device(tensors: int, plan: ParallelPlan, gpu: GpuType | None, *, calibrat
 def peak_bytes(
     model: ModelSpec, plan: ParallelPlan, work: Workload, *, gpu: GpuType | None = None, calibration: Calibration | None = None
 ) -> int:
-    """The predicted peak of ``plan``'s most loaded GPU, without the itemised breakdown."""
-    # The middle stages' peaks fall with their index (fewer micro-batches in flight, no more
-    # layers), so the first, second and last stages bound them all.
-    pp = plan.pp
-    peaks = stage_peaks(model, plan, work, on_gpu=gpu is not None, stages=(0, 1, pp - 1) if pp > 2 else range(pp))
-    return on_device(max(sum(p) for p in peaks), plan, gpu, calibration=calibration)
+    """The predicted peak of ``plan``'s most loaded GPU, without the itemised breakdown (a search
+    of many plans holds a ``PlanSearch``)."""
+    return plan_search(model, work, gpu, calibration).peak_bytes(plan)
 
 
 def estimate(
@@ -439,8 +471,7 @@ def estimate(
 ) -> MemoryEstimate:
     """Predicted peak bytes on one GPU of every pipeline stage of ``plan``, itemised (``gpu``
     None: the tensors alone, as MemTracker measures them on CPU)."""
-    constants = (calibration or default_calibration()).for_gpu(gpu)
-    peaks = all_stage_peaks(model, plan, work, on_gpu=gpu is not None)
+    search = plan_search(model, work, gpu, calibration)
     # Validated, not model_construct: pydantic 2.14 validates five ints faster than it constructs
     # without validation (3.7 against 8 us), and the allocator does this for every candidate plan.
     return MemoryEstimate(
@@ -450,9 +481,9 @@ def estimate(
                 grads=g,
                 optimizer=o,
                 activations=saved,
-                other=transient + _runtime(constants, p + g + o + saved + transient, plan),
+                other=transient + _runtime(search.constants, p + g + o + saved + transient, plan),
             )
-            for p, g, o, saved, transient in peaks
+            for p, g, o, saved, transient in search.stage_peaks(plan)
         ]
     )
 

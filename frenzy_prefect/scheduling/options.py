@@ -15,7 +15,7 @@ from functools import cache
 
 from frenzy_prefect.allocator.space import plan_space
 from frenzy_prefect.allocator.step_time import predict_step
-from frenzy_prefect.memory.analytic import peak_bytes
+from frenzy_prefect.memory.analytic import peak_bytes, plan_search
 from frenzy_prefect.profiling.model import PRESETS
 from frenzy_prefect.scheduling.jobs import PRECISION, SEQ_LEN
 from frenzy_prefect.spec.gpu import GpuType
@@ -69,8 +69,9 @@ def frontier(
     spec = PRESETS[model]
     work = _workload(global_batch)
     best: dict[int, tuple[float, ParallelPlan]] = {}
+    memory = plan_search(spec, work, gpu)
     for plan in plan_space(spec, global_batch, max_gpus, node_gpus):
-        peak = peak_bytes(spec, plan, work, gpu=gpu)
+        peak = memory.peak_bytes(plan)
         if peak * underestimate + margin_bytes > gpu.memory_bytes:
             continue
         network = None if plan.gpus <= node_gpus else network_gbps
