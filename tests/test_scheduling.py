@@ -9,12 +9,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmarks import memory_published as published
+from frenzy_prefect.allocator.placement import place
 from frenzy_prefect.allocator.space import plan_space
 from frenzy_prefect.allocator.step_time import fit_achievable_fraction, predict_step
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.profiling.model import PRESETS
 from frenzy_prefect.scheduling.cluster import SimCluster
-from frenzy_prefect.scheduling.inputs import TraceJob, load_cluster, load_trace, shared_traces
+from frenzy_prefect.scheduling.inputs import TraceJob, load_cluster, load_trace, replicate, shared_traces
 from frenzy_prefect.scheduling.jobs import SimJob, Waiting, sim_jobs
 from frenzy_prefect.scheduling.options import frontier, naive_plans
 from frenzy_prefect.scheduling.policies import POLICIES, make_policy
@@ -38,8 +39,19 @@ def cluster(*nodes: tuple[str, int]) -> ClusterSpec:
     return ClusterSpec(nodes=[{"name": f"n{i}", "host": f"n{i}", "gpu_type": t, "gpu_count": c} for i, (t, c) in enumerate(nodes)])
 
 
-def job(name: str, model: str = "gpt2-small", arrival: float = 0.0, steps: int = 200, gpus: int = 1, batch: int = 64) -> SimJob:
-    return SimJob(job_id=name, arrival_s=arrival, model=model, global_batch=batch, steps=steps, requested_gpus=gpus)
+def job(
+    name: str, model: str = "gpt2-small", arrival: float = 0.0, steps: int = 200, gpus: int = 1, batch: int = 64, requested_s: float = 3600
+) -> SimJob:
+    return SimJob(
+        job_id=name,
+        arrival_s=arrival,
+        model=model,
+        global_batch=batch,
+        steps=steps,
+        requested_gpus=gpus,
+        requested_s=requested_s,
+        deadline_s=arrival + requested_s,
+    )
 
 
 # --- throughput model ----------------------------------------------------------------------
@@ -220,6 +232,50 @@ def test_frenzy_uses_the_free_slow_type_rather_than_queueing_for_the_fast_one():
     long_alone = simulate([jobs[0]], spec, make_policy("frenzy")).avg_jct_s
     assert result.p99_jct_s == pytest.approx(long_alone)  # "next" never waited for "long"
     assert result.p50_jct_s < long_alone
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(0, 8), min_size=1, max_size=24),  # GPUs already taken on each 8-GPU node
+    st.integers(1, 40),
+    st.sampled_from([1, 2, 4]),
+)
+def test_the_buckets_hand_has_stage_2_the_nodes_it_would_pick_from_all_of_them(taken, gpus, group):
+    """SimCluster.place looks only at the nodes its buckets name (so that a decision on tens of
+    thousands of nodes stays cheap) and places exactly as HAS stage 2 over every node does (an
+    exact fit is the first the cluster keeps; the tightest and a split go by name)."""
+    spec = ClusterSpec(
+        nodes=[{"name": f"n{i:02d}", "host": f"n{i:02d}", "gpu_type": "A10", "gpu_count": 8} for i in range(len(taken))][::-1]
+    )
+    sim = SimCluster(spec)
+    for i, t in enumerate(taken):
+        if t:
+            sim.take("A10", [Placement(node=f"n{i:02d}", host=f"n{i:02d}", gpus=list(range(t)))])
+    listed = [n for bucket in sim.by_free["A10"] for n in bucket.values()]  # every node, as the cluster keeps them
+    everything = place(gpus, [(n, list(sim.free[n.name])) for n in listed], group=group) if gpus <= sim.free_total["A10"] else None
+    assert sim.place("A10", gpus, group) == everything
+
+
+def test_a_replicated_cluster_repeats_every_node_under_suffixed_names():
+    spec = cluster(("A10", 4), ("T4", 2))
+    assert replicate(spec, 1) is spec
+    tenfold = replicate(spec, 10)
+    assert len(tenfold.nodes) == 20 and SimCluster(tenfold).total == {"A10": 40, "T4": 20}
+    assert [n.name for n in tenfold.nodes[:3]] == ["n0-r0", "n1-r0", "n0-r1"] and tenfold.nodes[-1].host == "n1-r9"
+    with pytest.raises(FrenzyError, match="at least 1 copy"):
+        replicate(spec, 0)
+
+
+def test_the_owner_sees_gpu_hours_deadline_misses_and_the_worst_stretch():
+    """A job asked for 1 GPU-hour by its deadline; it ran longer than that on more GPUs: the
+    result says what its runs held, what was asked for, the miss and JCT / request."""
+    spec = cluster(("A10", 4))
+    quick, late = job("quick", steps=20, requested_s=3600), job("late", steps=4000, requested_s=60)
+    result = simulate([quick, late], spec, make_policy("frenzy"), MemoryTruth(exact=True))
+    assert result.jobs_completed == 2 and result.requested_gpu_hours == pytest.approx(3660 / 3600)
+    assert result.deadline_misses == 1  # "late" could not run 4000 steps in a minute
+    assert result.worst_stretch == pytest.approx(result.makespan_s / 60, rel=0.01) and result.worst_stretch > 1
+    assert result.gpu_hours == pytest.approx(result.gpu_utilization * 4 * result.makespan_s / 3600)
 
 
 def test_trace_jobs_become_llm_jobs_by_one_deterministic_rule():

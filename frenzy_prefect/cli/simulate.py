@@ -23,17 +23,19 @@ def simulate(
         0, "--seed", help="Seeds each job's true peak memory: its estimate off by one of MARP's published GPU-run errors."
     ),
     exact_memory: bool = typer.Option(False, "--exact-memory", help="True peak memory = MARP's estimate (no estimate is ever wrong)."),
+    copies: int = typer.Option(1, "--replicate", min=1, help="The cluster's nodes N times over (names suffixed -r0..), to scale it."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Replay a job trace on a cluster under one scheduling policy."""
-    from frenzy_prefect.scheduling.inputs import load_cluster, load_trace
+    from frenzy_prefect.scheduling.inputs import load_cluster, load_trace, replicate
     from frenzy_prefect.scheduling.jobs import sim_jobs
     from frenzy_prefect.scheduling.policies import make_policy
     from frenzy_prefect.scheduling.simulator import simulate as run
     from frenzy_prefect.scheduling.truth import MemoryTruth
 
     chosen = make_policy(policy)
-    result = run(sim_jobs(load_trace(trace)), load_cluster(cluster, gpu_types), chosen, MemoryTruth(seed=seed, exact=exact_memory))
+    spec = replicate(load_cluster(cluster, gpu_types), copies)
+    result = run(sim_jobs(load_trace(trace)), spec, chosen, MemoryTruth(seed=seed, exact=exact_memory))
     if as_json:
         typer.echo(result.model_dump_json())
         return
@@ -47,6 +49,9 @@ def simulate(
         ("p99 JCT", _time(result.p99_jct_s)),
         ("makespan", _time(result.makespan_s)),
         ("GPU utilisation", f"{result.gpu_utilization:.1%}"),
+        ("GPU-hours held / requested", f"{result.gpu_hours:,.0f} / {result.requested_gpu_hours:,.0f}"),
+        ("deadline misses", f"{result.deadline_misses} of {result.jobs_completed}"),
+        ("worst stretch (JCT / request)", "-" if result.worst_stretch is None else f"{result.worst_stretch:,.1f}x"),
         ("decision latency p50 / p99", f"{result.decision_latency_ms.p50:.3f} / {result.decision_latency_ms.p99:.3f} ms"),
     ]
     print_metrics(f"{trace.name} on {cluster.name} ({result.cluster_gpus} GPUs), policy {result.policy}", rows)

@@ -3,6 +3,7 @@ that is not free raises, so no policy can double-book one."""
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 from frenzy_prefect.allocator.placement import place
@@ -79,22 +80,36 @@ class SimCluster:
         """HAS stage 2 on the free GPUs of ``gpu_type``; the GPUs are taken if it succeeds."""
         if gpus > self.free_total[gpu_type]:
             return None
-        buckets = self.by_free[gpu_type]
-        usable = [k for k in range(len(buckets)) if buckets[k] and k // group * group >= gpus]
-        if usable:  # an exact or tightest fit exists: only the nodes with the fewest usable GPUs compete
-            fewest = min(k // group * group for k in usable)
-            nodes = [n for k in usable if k // group * group == fewest for n in buckets[k].values()]
-        else:  # a split takes the nodes with the most free GPUs: only enough whole buckets compete
-            nodes, enough = [], 0
-            for k in range(len(buckets) - 1, 0, -1):
-                nodes += buckets[k].values()
-                enough += k // group * group * len(buckets[k])
-                if enough >= gpus:
-                    break
-        placements = place(gpus, [(n, self.free[n.name]) for n in nodes], group=group)
+        placements = place(gpus, [(n, self.free[n.name]) for n in self._candidates(gpu_type, gpus, group)], group=group)
         if placements:
             self.take(gpu_type, placements)
         return placements
+
+    def _candidates(self, gpu_type: str, gpus: int, group: int) -> list[Node]:
+        """The nodes HAS stage 2 picks from all free ones (``allocator.placement.place``), found
+        through the buckets so that a decision on tens of thousands of nodes looks at the few it
+        takes: an exact fit (the first node of the smallest exact bucket), else the tightest
+        (the lowest name among the nodes with the fewest usable GPUs), else a split over the
+        nodes with the most usable GPUs, by name, as many as it needs."""
+        by_usable: dict[int, list[dict[str, Node]]] = {}  # usable GPUs (whole groups) -> buckets, fewest free first
+        for k, bucket in enumerate(self.by_free[gpu_type]):
+            if bucket and k // group:
+                by_usable.setdefault(k // group * group, []).append(bucket)
+        fits = [usable for usable in by_usable if usable >= gpus]
+        if fits:
+            fewest = min(fits)
+            if fewest == gpus:
+                return [next(iter(by_usable[fewest][0].values()))]
+            return [min((n for bucket in by_usable[fewest] for n in bucket.values()), key=lambda n: n.name)]
+        chosen: list[Node] = []
+        needed = gpus
+        for usable in sorted(by_usable, reverse=True):
+            names = heapq.nsmallest(-(-needed // usable), (name for bucket in by_usable[usable] for name in bucket))
+            chosen += [self.node[name] for name in names]
+            needed -= usable * len(names)
+            if needed <= 0:
+                break
+        return chosen
 
     def take(self, gpu_type: str, placements: list[Placement]) -> None:
         for p in placements:

@@ -146,3 +146,14 @@ def load_cluster(path: str | Path, gpu_types: str | Path | None = None) -> Clust
         return ClusterSpec.from_file(path, declared)
     except ValidationError as exc:
         raise FrenzyError(f"{path}: {describe_validation_error(exc)}") from None
+
+
+def replicate(spec: ClusterSpec, copies: int) -> ClusterSpec:
+    """``spec``'s nodes ``copies`` times over, each copy's names and hosts suffixed ``-r0`` to
+    ``-r{copies - 1}`` (the Alibaba v2023 list 10 times: 12,130 nodes, 62,120 GPUs)."""
+    if copies < 1:
+        raise FrenzyError(f"replicate needs at least 1 copy of the cluster; got {copies}")
+    if copies == 1:
+        return spec
+    nodes = [n.model_copy(update={"name": f"{n.name}-r{k}", "host": f"{n.host}-r{k}"}) for k in range(copies) for n in spec.nodes]
+    return spec.model_copy(update={"nodes": nodes, "name": f"{spec.name}-x{copies}"})

@@ -11,6 +11,9 @@ policy, so every policy is handed identical work.
   tokens / (global batch x SEQ_LEN), at least one. ``num_iteration`` is not used: the trace's
   iterations are of other models and batch sizes.
 - Arrival is the submission time, shifted so the first job arrives at 0.
+- What the owner was asked for: ``duration`` seconds on ``num_gpu`` GPUs (``requested_s``,
+  ``requested_gpus``), by the trace's ``deadline`` (shifted likewise; ElasticFlow draws it 0.5-1.5
+  durations after submission).
 - Training is fp16 mixed precision with AdamW (every catalog GPU runs fp16).
 """
 
@@ -46,6 +49,8 @@ class SimJob:
     global_batch: int
     steps: int
     requested_gpus: int
+    requested_s: float  # the trace's duration on requested_gpus reference GPUs
+    deadline_s: float  # when the trace wants it done, on the replay's clock
 
 
 def reference_tokens_per_gpu_s(model: str) -> float:
@@ -66,6 +71,8 @@ def to_sim_job(job: TraceJob, t0: int) -> SimJob:
         global_batch=job.batch_size,
         steps=max(1, round(tokens / (job.batch_size * SEQ_LEN))),
         requested_gpus=job.num_gpu,
+        requested_s=float(job.duration),
+        deadline_s=float(job.deadline - t0),
     )
 
 

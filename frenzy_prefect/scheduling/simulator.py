@@ -54,6 +54,10 @@ class SimulationResult(BaseModel):
     p99_jct_s: float | None
     makespan_s: float
     gpu_utilization: float
+    gpu_hours: float  # what the runs held, out-of-memory ones included
+    requested_gpu_hours: float  # what the trace's jobs asked for (duration x GPUs, on its reference type)
+    deadline_misses: int  # completed jobs that ended after the trace's deadline (unschedulable ones apart)
+    worst_stretch: float | None  # the largest JCT / requested duration of a completed job
     decision_latency_ms: Latency
     decisions: int
     unschedulable: list[Unschedulable]
@@ -80,6 +84,8 @@ class _Replay:
             self.push(job.arrival_s, _ARRIVAL, job)
         self.queue: list[Waiting] = []
         self.jcts: list[float] = []
+        self.stretches: list[float] = []
+        self.deadline_misses = 0
         self.unschedulable: list[Unschedulable] = []
         self.latencies: list[float] = []
         self.busy_gpu_s = 0.0
@@ -105,7 +111,11 @@ class _Replay:
             self.policy.prepare(run.job, self.cluster, learned)  # the resubmitted job is planned again, as at arrival
             insort(self.queue, Waiting(run.job, run.waiting.out_of_memory + 1, learned), key=self.queue_key)
         else:
-            self.jcts.append(now - run.job.arrival_s)
+            job = run.job
+            self.jcts.append(now - job.arrival_s)
+            if job.requested_s:  # a zero-length request has no stretch
+                self.stretches.append((now - job.arrival_s) / job.requested_s)
+            self.deadline_misses += now > job.deadline_s
 
     def drain(self, now: float) -> bool:
         """Handle every event at ``now``; True when the policy is to decide now (every event
@@ -169,6 +179,10 @@ class _Replay:
             p99_jct_s=_percentile(jcts, 0.99),
             makespan_s=makespan,
             gpu_utilization=self.busy_gpu_s / (gpus * makespan) if makespan else 0.0,
+            gpu_hours=self.busy_gpu_s / 3600,
+            requested_gpu_hours=sum(j.requested_gpus * j.requested_s for j in self.jobs) / 3600,
+            deadline_misses=self.deadline_misses,
+            worst_stretch=max(self.stretches, default=None),
             decision_latency_ms=Latency(
                 p50=_percentile(latencies, 0.5) or 0.0, p99=_percentile(latencies, 0.99) or 0.0, max=latencies[-1] if latencies else 0.0
             ),
