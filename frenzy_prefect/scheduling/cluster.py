@@ -3,7 +3,6 @@ that is not free raises, so no policy can double-book one."""
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 
 from frenzy_prefect.allocator.placement import place
@@ -90,7 +89,8 @@ class SimCluster:
         through the buckets so that a decision on tens of thousands of nodes looks at the few it
         takes: an exact fit (the first node of the smallest exact bucket), else the tightest
         (the lowest name among the nodes with the fewest usable GPUs), else a split over the
-        nodes with the most usable GPUs, by name, as many as it needs."""
+        nodes with the most usable GPUs, by name, as many as it needs (a C sort of a bucket's names is
+        faster than heapq.nsmallest's loop over them for the hundreds a wide job takes)."""
         by_usable: dict[int, list[dict[str, Node]]] = {}  # usable GPUs (whole groups) -> buckets, fewest free first
         for k, bucket in enumerate(self.by_free[gpu_type]):
             if bucket and k // group:
@@ -104,7 +104,7 @@ class SimCluster:
         chosen: list[Node] = []
         needed = gpus
         for usable in sorted(by_usable, reverse=True):
-            names = heapq.nsmallest(-(-needed // usable), (name for bucket in by_usable[usable] for name in bucket))
+            names = sorted(name for bucket in by_usable[usable] for name in bucket)[: -(-needed // usable)]
             chosen += [self.node[name] for name in names]
             needed -= usable * len(names)
             if needed <= 0:
@@ -114,9 +114,13 @@ class SimCluster:
     def take(self, gpu_type: str, placements: list[Placement]) -> None:
         for p in placements:
             free = self.free[p.node]
-            if not set(p.gpus) <= set(free):
+            if p.gpus == free:  # the whole node's free GPUs, as most of a wide job's nodes
+                left = []
+            elif set(p.gpus) <= set(free):
+                left = [i for i in free if i not in p.gpus]
+            else:
                 raise RuntimeError(f"GPUs {p.gpus} of node {p.node} are not all free ({free})")
-            self._refile(gpu_type, p.node, [i for i in free if i not in p.gpus])
+            self._refile(gpu_type, p.node, left)
             self.free_total[gpu_type] -= len(p.gpus)
 
     def release(self, gpu_type: str, placements: list[Placement]) -> None:

@@ -10,10 +10,13 @@ for every policy)."""
 
 from __future__ import annotations
 
+import gc
 import heapq
 import math
 import time
 from bisect import insort
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from pydantic import BaseModel
 
@@ -197,11 +200,27 @@ def simulate(jobs: list[SimJob], cluster_spec: ClusterSpec, policy: Policy, trut
     errors, seed 0)."""
     wall = time.perf_counter()
     replay = _Replay(jobs, cluster_spec, policy, truth or MemoryTruth())
-    while replay.events:
-        now = replay.events[0][0]
-        if replay.drain(now) and replay.queue:
-            replay.decide(now)
+    with _cycle_collection_paused():
+        while replay.events:
+            now = replay.events[0][0]
+            if replay.drain(now) and replay.queue:
+                replay.decide(now)
     return replay.result(wall)
+
+
+@contextmanager
+def _cycle_collection_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector paused: a replay allocates millions of small objects that
+    live long (the placements of running jobs: hundreds per job on a 62k-GPU cluster) and makes no
+    cycles, and each full collection walked them all (the 10x cluster04 replay: 97 s with it, 72
+    s without; its p99 decision 84 ms against 21 ms). What a caller had is restored."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def start_run(start: Start, cluster: SimCluster, now: float, truth: MemoryTruth) -> Run:
