@@ -52,7 +52,7 @@ def main() -> None:
     frenzy = {(r["cluster"], r["trace"]): r["avg_jct_s"] for r in rows if r["policy"] == "frenzy"}
     print(
         f"{'cluster':<15}{'trace':<10}{'policy':<13}{'done':>12}{'oom':>7}{'avg h':>9}{'p50 h':>8}{'p99 h':>9}"
-        f"{'makespan h':>11}{'util':>7}{'GPU-h/req':>10}{'missed':>8}{'stretch':>9}{'vs frenzy':>10}{'wall s':>8}"
+        f"{'makespan h':>11}{'util':>7}{'GPU-h/req':>10}{'missed':>8}{'stretch':>11}{'vs frenzy':>10}{'wall s':>8}"
     )
     for r in rows:
         base = frenzy.get((r["cluster"], r["trace"]))
@@ -63,7 +63,7 @@ def main() -> None:
             f"{r['cluster']:<15}{r['trace']:<10}{r['policy']:<13}{r['jobs_completed']:>6}/{r['jobs_total']:<5}{r['out_of_memory_restarts']:>7}"
             f"{hours(r['avg_jct_s']):>9}{hours(r['p50_jct_s']):>8}{hours(r['p99_jct_s']):>9}{hours(r['makespan_s']):>11}"
             f"{r['gpu_utilization']:>7.1%}{r['gpu_hours'] / r['requested_gpu_hours']:>9.1f}x{r['deadline_misses']:>8}"
-            f"{r['worst_stretch'] or 0:>8.1f}x{ratio:>10}{r['wall_s']:>8.1f}"
+            f"{r['worst_stretch'] or 0:>10,.1f}x{ratio:>10}{r['wall_s']:>8.1f}"
         )
     write_result({"rows": rows}, args.json)
 

@@ -1,6 +1,7 @@
 """HAS in the simulator: the throughput model, the plan frontier, the policies and the
 event-driven replay, on small hand-made clusters and traces (and on a real trace if present)."""
 
+import gc
 import json
 import math
 
@@ -276,6 +277,21 @@ def test_the_owner_sees_gpu_hours_deadline_misses_and_the_worst_stretch():
     assert result.deadline_misses == 1  # "late" could not run 4000 steps in a minute
     assert result.worst_stretch == pytest.approx(result.makespan_s / 60, rel=0.01) and result.worst_stretch > 1
     assert result.gpu_hours == pytest.approx(result.gpu_utilization * 4 * result.makespan_s / 3600)
+
+
+def test_a_replay_pauses_the_cycle_collector_only_while_it_runs():
+    seen = []
+    policy = make_policy("frenzy")
+    schedule = policy.schedule
+    policy.schedule = lambda *a: seen.append(gc.isenabled()) or schedule(*a)  # type: ignore[method-assign]
+    simulate([job("a")], cluster(("A10", 1)), policy)
+    assert seen == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        simulate([job("a")], cluster(("A10", 1)), make_policy("frenzy"))
+        assert not gc.isenabled()  # a caller's choice is left as it was
+    finally:
+        gc.enable()
 
 
 def test_trace_jobs_become_llm_jobs_by_one_deterministic_rule():
