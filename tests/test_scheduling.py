@@ -294,6 +294,32 @@ def test_a_replay_pauses_the_cycle_collector_only_while_it_runs():
         gc.enable()
 
 
+def test_frenzy_starts_no_run_beyond_its_stretch_bound_and_ranks_by_the_owners_objective():
+    """By default no run is longer than 2x the longer of its request and its fastest plan on the
+    cluster, as placed (a plan split over nodes counts its cross-node time); unbounded, frenzy
+    started runs past that on this excerpt. Ranked by GPU-hours, it holds fewer."""
+    jobs = sim_jobs(load_trace("examples/traces/elasticflow-cluster01-80jobs.csv"))
+    spec = load_cluster(THREE_TYPES)
+    bounded = simulate(jobs, spec, make_policy("frenzy"))
+    unbounded = simulate(jobs, spec, make_policy("frenzy", stretch_bound=None))
+    thrifty = simulate(jobs, spec, make_policy("frenzy", objective="gpu-hours"))
+    assert bounded.worst_run_stretch <= 2.0 < unbounded.worst_run_stretch
+    assert thrifty.worst_run_stretch <= 2.0 and thrifty.gpu_hours < bounded.gpu_hours
+    assert bounded.jobs_completed == unbounded.jobs_completed == thrifty.jobs_completed == len(jobs)
+
+
+def test_objective_cost_ranks_by_the_clusters_prices_and_needs_one_for_every_type():
+    spec = cluster(("A10", 4), ("T4", 4)).model_copy(update={"prices": {"A10": 100.0, "T4": 0.1}})
+    cheap = make_policy("frenzy", objective="cost", stretch_bound=None).ranked(job("a"), SimCluster(spec))
+    assert cheap[0].option.gpu_type == "T4"
+    with pytest.raises(FrenzyError, match="objective 'cost' needs the price of a GPU-hour of every type; cluster 'cluster' lacks A10, T4"):
+        make_policy("frenzy", objective="cost").ranked(job("a"), SimCluster(cluster(("A10", 4), ("T4", 4))))
+    with pytest.raises(FrenzyError, match="objective applies to policy 'frenzy' only, not 'ilp'"):
+        make_policy("ilp", objective="cost")
+    with pytest.raises(FrenzyError, match="unknown objective 'speed'; known: time, gpu-hours, cost"):
+        make_policy("frenzy", objective="speed")
+
+
 def test_trace_jobs_become_llm_jobs_by_one_deterministic_rule():
     trace = [
         TraceJob(job_id="a", submission_time=100, num_iteration=5, model_name="bert", deadline=0, batch_size=64, num_gpu=2, duration=3600),

@@ -23,6 +23,10 @@ def simulate(
         0, "--seed", help="Seeds each job's true peak memory: its estimate off by one of MARP's published GPU-run errors."
     ),
     exact_memory: bool = typer.Option(False, "--exact-memory", help="True peak memory = MARP's estimate (no estimate is ever wrong)."),
+    objective: str | None = typer.Option(None, "--objective", help="frenzy ranks plans by time (the default), gpu-hours or cost (prices)."),
+    stretch_bound: float | None = typer.Option(
+        None, "--stretch-bound", help="frenzy starts no run longer than this x the longer of its request and its fastest plan (2)."
+    ),
     copies: int = typer.Option(1, "--replicate", min=1, help="The cluster's nodes N times over (names suffixed -r0..), to scale it."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
@@ -33,7 +37,8 @@ def simulate(
     from frenzy_prefect.scheduling.simulator import simulate as run
     from frenzy_prefect.scheduling.truth import MemoryTruth
 
-    chosen = make_policy(policy)
+    options = {k: v for k, v in (("objective", objective), ("stretch_bound", stretch_bound)) if v is not None}
+    chosen = make_policy(policy, **options)
     spec = replicate(load_cluster(cluster, gpu_types), copies)
     result = run(sim_jobs(load_trace(trace)), spec, chosen, MemoryTruth(seed=seed, exact=exact_memory))
     if as_json:
@@ -52,6 +57,7 @@ def simulate(
         ("GPU-hours held / requested", f"{result.gpu_hours:,.0f} / {result.requested_gpu_hours:,.0f}"),
         ("deadline misses", f"{result.deadline_misses} of {result.jobs_completed}"),
         ("worst stretch (JCT / request)", "-" if result.worst_stretch is None else f"{result.worst_stretch:,.1f}x"),
+        ("worst run stretch", "-" if result.worst_run_stretch is None else f"{result.worst_run_stretch:,.2f}x"),
         ("decision latency p50 / p99", f"{result.decision_latency_ms.p50:.3f} / {result.decision_latency_ms.p99:.3f} ms"),
     ]
     print_metrics(f"{trace.name} on {cluster.name} ({result.cluster_gpus} GPUs), policy {result.policy}", rows)

@@ -3,6 +3,7 @@ that is not free raises, so no policy can double-book one."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from frenzy_prefect.allocator.placement import place
@@ -23,6 +24,7 @@ class Run:
     end_s: float
     out_of_memory: bool
     underestimate: float  # what an out-of-memory run proved: GPU memory / estimated peak (1.0 otherwise)
+    started_s: float
 
     @property
     def job(self) -> SimJob:
@@ -70,6 +72,10 @@ class SimCluster:
         return frontier(
             job.model, job.global_batch, gpu, self.total[gpu_type], self.node_gpus[gpu_type], self.spec.network_gbps, margin, underestimate
         )
+
+    def fastest_run_s(self, job: SimJob) -> float:
+        """The job's shortest predicted run on this cluster, over every type's frontier, as estimated."""
+        return min((job.steps * self.predicted_step_s(o) for t in self.types for o in self.options(job, t)), default=math.inf)
 
     def predicted_step_s(self, option: Option) -> float:
         """The step time HAS expects of a plan: inside one node whenever it fits in one."""

@@ -61,6 +61,7 @@ class SimulationResult(BaseModel):
     requested_gpu_hours: float  # what the trace's jobs asked for (duration x GPUs, on its reference type)
     deadline_misses: int  # completed jobs that ended after the trace's deadline (unschedulable ones apart)
     worst_stretch: float | None  # the largest JCT / requested duration of a completed job
+    worst_run_stretch: float | None  # the largest run / the longer of its request and its fastest plan here (frenzy bounds it)
     decision_latency_ms: Latency
     decisions: int
     unschedulable: list[Unschedulable]
@@ -88,6 +89,7 @@ class _Replay:
         self.queue: list[Waiting] = []
         self.jcts: list[float] = []
         self.stretches: list[float] = []
+        self.run_stretches: list[float] = []
         self.deadline_misses = 0
         self.unschedulable: list[Unschedulable] = []
         self.latencies: list[float] = []
@@ -118,6 +120,7 @@ class _Replay:
             self.jcts.append(now - job.arrival_s)
             if job.requested_s:  # a zero-length request has no stretch
                 self.stretches.append((now - job.arrival_s) / job.requested_s)
+            self.run_stretches.append((now - run.started_s) / max(job.requested_s, self.cluster.fastest_run_s(job)))
             self.deadline_misses += now > job.deadline_s
 
     def drain(self, now: float) -> bool:
@@ -186,6 +189,7 @@ class _Replay:
             requested_gpu_hours=sum(j.requested_gpus * j.requested_s for j in self.jobs) / 3600,
             deadline_misses=self.deadline_misses,
             worst_stretch=max(self.stretches, default=None),
+            worst_run_stretch=max(self.run_stretches, default=None),
             decision_latency_ms=Latency(
                 p50=_percentile(latencies, 0.5) or 0.0, p99=_percentile(latencies, 0.99) or 0.0, max=latencies[-1] if latencies else 0.0
             ),
@@ -231,4 +235,4 @@ def start_run(start: Start, cluster: SimCluster, now: float, truth: MemoryTruth)
     out_of_memory = truth.peak_bytes(job.job_id, predicted.peak_bytes) > gpu.memory_bytes
     runtime = OOM_DETECTION_S if out_of_memory else job.steps * predicted.step_time(len(start.placements))
     underestimate = gpu.memory_bytes / predicted.peak_bytes if out_of_memory else 1.0
-    return Run(start.waiting, start.gpu_type, start.plan, start.placements, now + runtime, out_of_memory, underestimate)
+    return Run(start.waiting, start.gpu_type, start.plan, start.placements, now + runtime, out_of_memory, underestimate, now)

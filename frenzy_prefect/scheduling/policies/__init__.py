@@ -12,7 +12,10 @@ from frenzy_prefect.scheduling.policies.ilp import Ilp
 POLICIES: dict[str, type] = {p.name: p for p in (Frenzy, FirstFit, FastestType, Ilp)}
 
 
-def make_policy(name: str) -> Policy:
+def make_policy(name: str, **options: object) -> Policy:
+    """The policy ``name``; ``options`` (frenzy's objective and stretch bound) only for a policy that takes them."""
     if name not in POLICIES:
         raise FrenzyError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
-    return POLICIES[name]()
+    if options and name != Frenzy.name:
+        raise FrenzyError(f"{', '.join(options)} applies to policy {Frenzy.name!r} only, not {name!r}")
+    return POLICIES[name](**options)

@@ -15,14 +15,24 @@ so none starves), with EASY backfilling behind the first job that cannot start: 
 the earliest time one of its plans' GPUs free up (from the running jobs' predicted ends;
 counted per GPU type, not per node), and later jobs start only if they end before then, run on
 another GPU type, or leave the reserved GPUs free. Backfilling looks BACKFILL_DEPTH jobs deep
-(the role of Slurm's bf_max_job_test)."""
+(the role of Slurm's bf_max_job_test).
+
+Objective and stretch. Plans are ranked by the owner's objective: ``time`` (predicted completion,
+ties: fewer GPU-seconds; the default), ``gpu-hours`` (fewest GPU-seconds, ties: sooner) or
+``cost`` (the cluster's price of those GPU-seconds). Whatever the objective, a plan is never
+started if its predicted run is longer than STRETCH_BOUND times the longer of what the job asked
+for (its requested duration) and its fastest plan on this cluster: a job waits for GPUs that run
+it within that bound rather than start on a few slow ones (the fastest plan always qualifies, so
+no job is left without one)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
+from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.scheduling.cluster import SimCluster
 from frenzy_prefect.scheduling.jobs import SimJob
 from frenzy_prefect.scheduling.options import Option
@@ -31,6 +41,8 @@ from frenzy_prefect.scheduling.policies.base import Reject, Start, Waiting, no_p
 MIN_EFFICIENCY = 0.5
 IDLE_SHARE = 0.5
 BACKFILL_DEPTH = 100
+STRETCH_BOUND = 2.0
+OBJECTIVES = ("time", "gpu-hours", "cost")
 
 
 class Ranked(NamedTuple):
@@ -61,11 +73,22 @@ class Frenzy:
     round_s: ClassVar[float | None] = None
 
     def __init__(
-        self, min_efficiency: float = MIN_EFFICIENCY, idle_share: float = IDLE_SHARE, backfill_depth: int = BACKFILL_DEPTH
+        self,
+        min_efficiency: float = MIN_EFFICIENCY,
+        idle_share: float = IDLE_SHARE,
+        backfill_depth: int = BACKFILL_DEPTH,
+        objective: str = "time",
+        stretch_bound: float | None = STRETCH_BOUND,
     ) -> None:
+        if objective not in OBJECTIVES:
+            raise FrenzyError(f"unknown objective {objective!r}; known: {', '.join(OBJECTIVES)}")
+        if stretch_bound is not None and stretch_bound < 1:
+            raise FrenzyError(f"stretch bound must be at least 1 (a job's fastest plan must qualify); got {stretch_bound}")
         self.min_efficiency = min_efficiency
         self.idle_share = idle_share
         self.backfill_depth = backfill_depth
+        self.objective = objective
+        self.stretch_bound = stretch_bound
         self._ranked: dict[tuple[str, int, float], list[Ranked]] = {}
 
     def prepare(self, job: SimJob, cluster: SimCluster, underestimate: float = 1.0) -> None:
@@ -82,9 +105,34 @@ class Frenzy:
                 if steps:
                     cheapest = min(o.gpus * s for o, s in steps)
                     plans += [Ranked(o, s, cheapest >= self.min_efficiency * o.gpus * s) for o, s in steps]
-            plans.sort(key=lambda r: (r.step_s, r.option.gpus * r.step_s))
-            self._ranked[key] = plans
+            plans.sort(key=self._order(cluster))
+            self._ranked[key] = self._within_stretch(job, plans)
         return self._ranked[key]
+
+    def _order(self, cluster: SimCluster) -> Callable[[Ranked], tuple[float, float]]:
+        """The objective's ranking of a job's plans, best first."""
+        if self.objective == "time":
+            return lambda r: (r.step_s, r.option.gpus * r.step_s)
+        if self.objective == "gpu-hours":
+            return lambda r: (r.option.gpus * r.step_s, r.step_s)
+        prices = cluster.spec.prices
+        missing = sorted(set(cluster.types) - prices.keys())
+        if missing:
+            raise FrenzyError(
+                f"objective 'cost' needs the price of a GPU-hour of every type; cluster {cluster.spec.name!r} lacks {', '.join(missing)}"
+            )
+        return lambda r: (prices[r.option.gpu_type] * r.option.gpus * r.step_s, r.step_s)
+
+    def _run_limit(self, job: SimJob, plans: list[Ranked]) -> float:
+        """The longest run the stretch bound allows ``job`` (unbounded without one)."""
+        if self.stretch_bound is None or not plans:
+            return math.inf
+        return self.stretch_bound * max(job.requested_s, job.steps * min(r.step_s for r in plans))
+
+    def _within_stretch(self, job: SimJob, plans: list[Ranked]) -> list[Ranked]:
+        """The plans whose predicted run is within the stretch bound (all without one)."""
+        limit = self._run_limit(job, plans)
+        return [r for r in plans if job.steps * r.step_s <= limit]
 
     def _urgency(self, waiting: Waiting, now: float, cluster: SimCluster) -> float:
         """Highest response ratio first: (waited + predicted run) / predicted run, negated."""
@@ -110,6 +158,7 @@ class Frenzy:
                 looked += 1
             steps = waiting.job.steps
             last = position == len(ordered) - 1
+            limit = self._run_limit(waiting.job, plans)
             for o, step_s, efficient in plans:
                 if o.gpus > cluster.free_total[o.gpu_type]:
                     continue
@@ -119,6 +168,9 @@ class Frenzy:
                 if reservation is not None and not reservation.admits(o, ends):
                     continue
                 placements = cluster.place(o.gpu_type, o.gpus, o.plan.tp)
+                if placements and steps * o.step_time(len(placements)) > limit:  # split over nodes, slower than the bound
+                    cluster.release(o.gpu_type, placements)
+                    continue
                 if placements:
                     if reservation is not None:
                         reservation.claim(o, ends)
