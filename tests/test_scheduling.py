@@ -308,6 +308,15 @@ def test_frenzy_starts_no_run_beyond_its_stretch_bound_and_ranks_by_the_owners_o
     assert bounded.jobs_completed == unbounded.jobs_completed == thrifty.jobs_completed == len(jobs)
 
 
+def test_each_job_is_bounded_by_its_own_request_not_another_of_its_shape():
+    """Two jobs of one model and batch: the one that asked for longer may take slower plans."""
+    policy, sim = make_policy("frenzy"), SimCluster(cluster(("A100-80GB", 8), ("T4", 8)))
+    short, long = job("short", steps=400, requested_s=1.0), job("long", steps=400, requested_s=1e9)
+    assert (
+        len(policy.ranked(short, sim)) < len(policy.ranked(long, sim)) == len(make_policy("frenzy", stretch_bound=None).ranked(long, sim))
+    )
+
+
 def test_objective_cost_ranks_by_the_clusters_prices_and_needs_one_for_every_type():
     spec = cluster(("A10", 4), ("T4", 4)).model_copy(update={"prices": {"A10": 100.0, "T4": 0.1}})
     cheap = make_policy("frenzy", objective="cost", stretch_bound=None).ranked(job("a"), SimCluster(spec))

@@ -89,16 +89,24 @@ class Frenzy:
         self.backfill_depth = backfill_depth
         self.objective = objective
         self.stretch_bound = stretch_bound
-        self._ranked: dict[tuple[str, int, float], list[Ranked]] = {}
+        self._shaped: dict[tuple[str, int, float], list[Ranked]] = {}
+        self._ranked: dict[tuple[str, float], list[Ranked]] = {}
 
     def prepare(self, job: SimJob, cluster: SimCluster, underestimate: float = 1.0) -> None:
         self.ranked(job, cluster, underestimate)
 
     def ranked(self, job: SimJob, cluster: SimCluster, underestimate: float = 1.0) -> list[Ranked]:
-        """The job's plans, best predicted completion first (cached per job shape and what its
-        out-of-memory runs proved of its estimates)."""
-        key = (job.model, job.global_batch, underestimate)
+        """The job's plans, best first by the objective, within its stretch bound (cached per job
+        and what its out-of-memory runs proved of its estimates: the bound is the job's own)."""
+        key = (job.job_id, underestimate)
         if key not in self._ranked:
+            self._ranked[key] = self._within_stretch(job, self._by_shape(job, cluster, underestimate))
+        return self._ranked[key]
+
+    def _by_shape(self, job: SimJob, cluster: SimCluster, underestimate: float) -> list[Ranked]:
+        """Every plan of the job's shape (model, global batch), best first by the objective (cached per shape)."""
+        key = (job.model, job.global_batch, underestimate)
+        if key not in self._shaped:
             plans: list[Ranked] = []
             for gpu_type in cluster.types:
                 steps = [(o, cluster.predicted_step_s(o)) for o in cluster.options(job, gpu_type, underestimate)]
@@ -106,8 +114,8 @@ class Frenzy:
                     cheapest = min(o.gpus * s for o, s in steps)
                     plans += [Ranked(o, s, cheapest >= self.min_efficiency * o.gpus * s) for o, s in steps]
             plans.sort(key=self._order(cluster))
-            self._ranked[key] = self._within_stretch(job, plans)
-        return self._ranked[key]
+            self._shaped[key] = plans
+        return self._shaped[key]
 
     def _order(self, cluster: SimCluster) -> Callable[[Ranked], tuple[float, float]]:
         """The objective's ranking of a job's plans, best first."""
