@@ -14,8 +14,14 @@ def _time(seconds: float | None) -> str:
     return "-" if seconds is None else duration(seconds)
 
 
+def _memory_truth(table: bool, exact: bool, seed: int) -> str:
+    if table:
+        return "the throughput table's (its rows fit)"
+    return "the estimate" if exact else f"published errors, seed {seed}"
+
+
 def simulate(
-    trace: Path = typer.Option(..., "--trace", help="ElasticFlow job trace CSV."),
+    trace: Path = typer.Option(..., "--trace", help="ElasticFlow job trace CSV, or a Sia workload CSV (with --throughput-table)."),
     cluster: Path = typer.Option(..., "--cluster", help="Alibaba v2023 node-list CSV, or a cluster file (YAML/JSON)."),
     policy: str = typer.Option("frenzy", "--policy", help="frenzy, first-fit, fastest-type or ilp."),
     gpu_types: Path | None = typer.Option(None, "--gpu-types", help="YAML declaring GPU types the catalog lacks (e.g. Alibaba's G2, G3)."),
@@ -28,19 +34,26 @@ def simulate(
         None, "--stretch-bound", help="frenzy starts no run longer than this x the longer of its request and its fastest plan (2)."
     ),
     copies: int = typer.Option(1, "--replicate", min=1, help="The cluster's nodes N times over (names suffixed -r0..), to scale it."),
+    throughput_table: Path | None = typer.Option(
+        None, "--throughput-table", help="CSV of step times per model, batch, GPU type and count, for a Sia workload's jobs."
+    ),
+    per_job: bool = typer.Option(False, "--per-job", help="With --json: list every completed job (arrival, start, end, JCT, GPUs)."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Replay a job trace on a cluster under one scheduling policy."""
-    from frenzy_prefect.scheduling.inputs import load_cluster, load_trace, replicate
-    from frenzy_prefect.scheduling.jobs import sim_jobs
+    from frenzy_prefect.scheduling.inputs import load_cluster, replicate
     from frenzy_prefect.scheduling.policies import make_policy
     from frenzy_prefect.scheduling.simulator import simulate as run
+    from frenzy_prefect.scheduling.throughput import ThroughputTable
     from frenzy_prefect.scheduling.truth import MemoryTruth
+    from frenzy_prefect.scheduling.workloads import load_jobs
 
     options = {k: v for k, v in (("objective", objective), ("stretch_bound", stretch_bound)) if v is not None}
     chosen = make_policy(policy, **options)
     spec = replicate(load_cluster(cluster, gpu_types), copies)
-    result = run(sim_jobs(load_trace(trace)), spec, chosen, MemoryTruth(seed=seed, exact=exact_memory))
+    table = ThroughputTable.load(throughput_table) if throughput_table else None
+    jobs = load_jobs(trace, list(dict.fromkeys(n.gpu_type for n in spec.nodes)), table)
+    result = run(jobs, spec, chosen, MemoryTruth(seed=seed, exact=exact_memory), table, records=per_job)
     if as_json:
         typer.echo(result.model_dump_json())
         return
@@ -48,7 +61,7 @@ def simulate(
         ("jobs completed", f"{result.jobs_completed} / {result.jobs_total}"),
         ("unschedulable", str(result.jobs_unschedulable)),
         ("out-of-memory restarts", str(result.out_of_memory_restarts)),
-        ("true peak memory", "the estimate" if exact_memory else f"published errors, seed {seed}"),
+        ("true peak memory", _memory_truth(table is not None, exact_memory, seed)),
         ("average JCT", _time(result.avg_jct_s)),
         ("p50 JCT", _time(result.p50_jct_s)),
         ("p99 JCT", _time(result.p99_jct_s)),

@@ -1,5 +1,6 @@
 """The simulated cluster: which GPUs of which node are free, and what runs where. Taking a GPU
-that is not free raises, so no policy can double-book one."""
+that is not free raises, so no policy can double-book one. What a job can run as comes from
+MARP and the step-time model, or from a throughput table when one is given."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from dataclasses import dataclass
 from frenzy_prefect.allocator.placement import place
 from frenzy_prefect.allocator.plans import gpu_kinds
 from frenzy_prefect.scheduling.jobs import SimJob, Waiting
-from frenzy_prefect.scheduling.options import Option, frontier
+from frenzy_prefect.scheduling.options import Option, frontier, naive_plans, option
+from frenzy_prefect.scheduling.throughput import ThroughputTable
 from frenzy_prefect.spec.cluster import ClusterSpec, Node
 from frenzy_prefect.spec.gpu import GpuType
 from frenzy_prefect.spec.plan import ParallelPlan, Placement
@@ -36,8 +38,9 @@ class Run:
 
 
 class SimCluster:
-    def __init__(self, spec: ClusterSpec) -> None:
+    def __init__(self, spec: ClusterSpec, table: ThroughputTable | None = None) -> None:
         self.spec = spec
+        self.table = table
         self.node: dict[str, Node] = {n.name: n for n in spec.nodes}
         self.nodes_of: dict[str, list[Node]] = {}
         for node in spec.nodes:
@@ -67,11 +70,32 @@ class SimCluster:
     def options(self, job: SimJob, gpu_type: str, underestimate: float = 1.0) -> tuple[Option, ...]:
         """The job's frontier on ``gpu_type``, fitting as HAS decides (the cluster's memory margin),
         its estimates scaled by what its out-of-memory runs proved."""
+        if self.table is not None:
+            return self.table.frontier(job.model, job.global_batch, gpu_type, self.total[gpu_type], self.node_gpus[gpu_type])
         gpu = self.gpu[gpu_type]
         margin = self.spec.memory_margin.bytes_for(gpu.memory_bytes)
         return frontier(
             job.model, job.global_batch, gpu, self.total[gpu_type], self.node_gpus[gpu_type], self.spec.network_gbps, margin, underestimate
         )
+
+    def option(self, job: SimJob, gpu_type: str, plan: ParallelPlan) -> Option | None:
+        """``plan`` of ``job`` on ``gpu_type`` with its estimated peak and step times; None where
+        the throughput table has no row for it (the job cannot run so)."""
+        if self.table is not None:
+            return self.table.option(job.model, job.global_batch, gpu_type, plan.gpus)
+        return option(job.model, job.global_batch, self.gpu[gpu_type], plan, self.spec.network_gbps)
+
+    def naive_plans(self, job: SimJob) -> tuple[ParallelPlan, ...]:
+        """What a memory-unaware user runs, attempt after attempt (``options.naive_plans``); with a
+        throughput table, the requested GPUs (at most the largest pool), which never run out of memory."""
+        largest = max(self.total.values())
+        if self.table is not None:
+            return (ParallelPlan(dp=min(job.requested_gpus, largest)),)
+        return naive_plans(job.global_batch, job.requested_gpus, largest)
+
+    def startup_s(self, job: SimJob) -> float:
+        """What each start of ``job`` costs before its first step (the throughput table's; else none)."""
+        return 0.0 if self.table is None else self.table.shape(job.model, job.global_batch).startup_s
 
     def fastest_run_s(self, job: SimJob) -> float:
         """The job's shortest predicted run on this cluster, over every type's frontier, as estimated."""
@@ -144,6 +168,7 @@ class SimCluster:
         """An independent copy of the free GPUs and runs (to time a decision on a snapshot)."""
         twin = object.__new__(SimCluster)
         twin.spec, twin.nodes_of, twin.gpu, twin.total, twin.node_gpus = self.spec, self.nodes_of, self.gpu, self.total, self.node_gpus
+        twin.table = self.table
         twin.free = {k: list(v) for k, v in self.free.items()}
         twin.free_total = dict(self.free_total)
         twin.by_free = {t: [dict(b) for b in buckets] for t, buckets in self.by_free.items()}

@@ -2,6 +2,9 @@
 
 - ElasticFlow job traces (``job_id,submission_time,num_iteration,model_name,deadline,batch_size,
   num_gpu,duration``; times in seconds);
+- Sia's workloads (``name,time,application,num_replicas,batch_size``: siasosp23/artifacts,
+  ``sia-simulator/workloads``; submission seconds, requested GPUs, global batch), whose jobs run
+  at a throughput table's speeds (scheduling/throughput.py);
 - the Alibaba GPU cluster v2023 node list (``sn,cpu_milli,memory_mib,gpu,model``), as a
   ClusterSpec. Its undisclosed types (G1, G2, G3) must be declared by the caller; V100M16 and
   V100M32 are the catalog's V100-16GB and V100-32GB.
@@ -12,6 +15,7 @@ Bad rows fail with the file, line and column; nothing is skipped silently.
 from __future__ import annotations
 
 import csv
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,33 +57,53 @@ class TraceJob(BaseModel):
     duration: NonNegativeInt
 
 
-def _rows(path: Path, integer_columns: tuple[str, ...], text_columns: tuple[str, ...]) -> Iterator[tuple[int, dict[str, object]]]:
-    """(line number, row) with the integer columns parsed; a missing column, or a value that is
-    not a non-negative integer, raises naming the file, line and column."""
+def read_rows(
+    path: Path,
+    integer_columns: tuple[str, ...],
+    text_columns: tuple[str, ...],
+    number_columns: tuple[str, ...] = (),
+    optional: tuple[str, ...] = (),
+) -> Iterator[tuple[int, dict[str, object]]]:
+    """(line number, row) with the integer columns parsed as non-negative whole numbers and the
+    number columns as non-negative floats; an ``optional`` column absent from the header, or left
+    blank, reads None. A missing column, or a value that is not such a number, raises naming the
+    file, line and column."""
     try:
         handle = path.open(newline="")
     except OSError as exc:
         raise FrenzyError(f"cannot read {path}: {exc.strerror}") from None
     with handle:
         reader = csv.DictReader(handle)
-        missing = [c for c in (*text_columns, *integer_columns) if c not in (reader.fieldnames or [])]
+        header = reader.fieldnames or []
+        missing = [c for c in (*text_columns, *integer_columns, *number_columns) if c not in header and c not in optional]
         if missing:
-            raise FrenzyError(f"{path}:1: missing column(s) {', '.join(missing)}; the header is {', '.join(reader.fieldnames or [])}")
+            raise FrenzyError(f"{path}:1: missing column(s) {', '.join(missing)}; the header is {', '.join(header)}")
         for row in reader:
             line = reader.line_num
             parsed: dict[str, object] = {c: (row[c] or "").strip() for c in text_columns}
-            for column in integer_columns:
-                text = (row[column] or "").strip()
-                try:
-                    number = float(text)
-                except ValueError:
-                    raise FrenzyError(f"{path}:{line}: column {column}: {text!r} is not a number") from None
-                if number < 0:
-                    raise FrenzyError(f"{path}:{line}: column {column}: {text} is negative")
-                if not number.is_integer():
-                    raise FrenzyError(f"{path}:{line}: column {column}: {text} is not a whole number")
-                parsed[column] = int(number)
+            for column in (*integer_columns, *number_columns):
+                text = (row.get(column) or "").strip()
+                if not text and column in optional:
+                    parsed[column] = None
+                    continue
+                parsed[column] = _number(path, line, column, text, whole=column in integer_columns)
             yield line, parsed
+
+
+def _number(path: Path, line: int, column: str, text: str, whole: bool) -> float | int:
+    try:
+        number = float(text)
+    except ValueError:
+        raise FrenzyError(f"{path}:{line}: column {column}: {text!r} is not a number") from None
+    if not math.isfinite(number):
+        raise FrenzyError(f"{path}:{line}: column {column}: {text} is not a finite number")
+    if number < 0:
+        raise FrenzyError(f"{path}:{line}: column {column}: {text} is negative")
+    if not whole:
+        return number
+    if not number.is_integer():
+        raise FrenzyError(f"{path}:{line}: column {column}: {text} is not a whole number")
+    return int(number)
 
 
 def load_trace(path: str | Path) -> list[TraceJob]:
@@ -87,7 +111,7 @@ def load_trace(path: str | Path) -> list[TraceJob]:
     path = Path(path)
     integers = ("submission_time", "num_iteration", "deadline", "batch_size", "num_gpu", "duration")
     jobs, seen = [], {}
-    for line, row in _rows(path, integers, ("job_id", "model_name")):
+    for line, row in read_rows(path, integers, ("job_id", "model_name")):
         try:
             job = TraceJob.model_validate(row)
         except ValidationError as exc:
@@ -101,12 +125,55 @@ def load_trace(path: str | Path) -> list[TraceJob]:
     return sorted(jobs, key=lambda j: (j.submission_time, j.job_id))
 
 
+class SiaJob(BaseModel):
+    """One job of a Sia workload, as recorded (an optional ``category`` column is not read)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    time: NonNegativeInt
+    application: str
+    num_replicas: PositiveInt
+    batch_size: PositiveInt
+
+
+SIA_COLUMNS = ("name", "time", "application", "num_replicas", "batch_size")
+
+
+def is_sia_workload(path: str | Path) -> bool:
+    """Whether ``path``'s header is a Sia workload's (else it is read as an ElasticFlow trace)."""
+    try:
+        with Path(path).open(newline="") as handle:
+            header = next(csv.reader(handle), [])
+    except OSError as exc:
+        raise FrenzyError(f"cannot read {path}: {exc.strerror}") from None
+    return set(SIA_COLUMNS) <= {c.strip() for c in header}
+
+
+def load_sia_workload(path: str | Path) -> list[SiaJob]:
+    """A Sia workload, in submission order."""
+    path = Path(path)
+    jobs, seen = [], {}
+    for line, row in read_rows(path, ("time", "num_replicas", "batch_size"), ("name", "application")):
+        try:
+            job = SiaJob.model_validate(row)
+        except ValidationError as exc:
+            raise FrenzyError(f"{path}:{line}: {describe_validation_error(exc)}") from None
+        if job.name in seen:
+            raise FrenzyError(f"{path}:{line}: column name: {job.name!r} repeats line {seen[job.name]}; job names must be unique")
+        seen[job.name] = line
+        jobs.append(job)
+    if not jobs:
+        raise FrenzyError(f"{path} holds no jobs")
+    return sorted(jobs, key=lambda j: (j.time, j.name))
+
+
 def load_alibaba_nodes(path: str | Path, gpu_types: dict[str, GpuType] | None = None) -> ClusterSpec:
     """The GPU nodes of an Alibaba v2023 node list (rows without GPUs are left out, being CPU
     nodes), each as a node of its GPU type; ``gpu_types`` declares types the catalog lacks."""
     path = Path(path)
     nodes = []
-    for _, row in _rows(path, ("gpu",), ("sn", "model")):
+    for _, row in read_rows(path, ("gpu",), ("sn", "model")):
         if row["gpu"] == 0:
             continue
         model = str(row["model"])

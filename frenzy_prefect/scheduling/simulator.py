@@ -6,7 +6,8 @@ under every policy. A plan whose true peak exceeds the GPU runs out of memory OO
 after it starts and the job goes back to the queue, knowing its estimates were low by at least
 GPU memory / estimated peak. The step time is the throughput model's as actually placed
 (across nodes when the placement spans nodes). Jobs never move once started (no preemption,
-for every policy)."""
+for every policy). With a throughput table the table decides both: its rows are the plans that
+fit (no run out of memory) and their step times, plus each start's start-up time."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ from pydantic import BaseModel
 
 from frenzy_prefect.scheduling.cluster import Run, SimCluster
 from frenzy_prefect.scheduling.jobs import SimJob, Waiting
-from frenzy_prefect.scheduling.options import option
 from frenzy_prefect.scheduling.policies.base import Policy, Reject, Start
+from frenzy_prefect.scheduling.throughput import ThroughputTable
 from frenzy_prefect.scheduling.truth import MemoryTruth
 from frenzy_prefect.spec.cluster import ClusterSpec
 
@@ -35,6 +36,19 @@ class Latency(BaseModel):
     p50: float
     p99: float
     max: float
+
+
+class JobRecord(BaseModel):
+    """One completed job: when it arrived, when its last run started and ended, on what."""
+
+    job_id: str
+    arrival_s: float
+    started_s: float
+    end_s: float
+    jct_s: float
+    gpu_type: str
+    gpus: int
+    out_of_memory_restarts: int
 
 
 class Unschedulable(BaseModel):
@@ -66,6 +80,7 @@ class SimulationResult(BaseModel):
     decisions: int
     unschedulable: list[Unschedulable]
     wall_s: float
+    jobs: list[JobRecord] | None = None  # every completed job, when asked for (`simulate --per-job`)
 
 
 def _percentile(sorted_values: list[float], q: float) -> float | None:
@@ -78,9 +93,12 @@ class _Replay:
     """One replay's state: the event heap, the queue and what the result counts. ``simulate``
     drains each instant's events, then lets the policy decide."""
 
-    def __init__(self, jobs: list[SimJob], cluster_spec: ClusterSpec, policy: Policy, truth: MemoryTruth):
+    def __init__(
+        self, jobs: list[SimJob], spec: ClusterSpec, policy: Policy, truth: MemoryTruth, table: ThroughputTable | None, records: bool
+    ):
         self.jobs, self.policy, self.truth = jobs, policy, truth
-        self.cluster = SimCluster(cluster_spec)
+        self.cluster = SimCluster(spec, table)
+        self.records: list[JobRecord] | None = [] if records else None
         self.events: list[tuple[float, int, int, object]] = []
         self.seq = 0
         self.order = {job.job_id: i for i, job in enumerate(jobs)}
@@ -122,6 +140,19 @@ class _Replay:
                 self.stretches.append((now - job.arrival_s) / job.requested_s)
             self.run_stretches.append((now - run.started_s) / max(job.requested_s, self.cluster.fastest_run_s(job)))
             self.deadline_misses += now > job.deadline_s
+            if self.records is not None:
+                self.records.append(
+                    JobRecord(
+                        job_id=job.job_id,
+                        arrival_s=job.arrival_s,
+                        started_s=run.started_s,
+                        end_s=now,
+                        jct_s=now - job.arrival_s,
+                        gpu_type=run.gpu_type,
+                        gpus=run.gpus,
+                        out_of_memory_restarts=run.waiting.out_of_memory,
+                    )
+                )
 
     def drain(self, now: float) -> bool:
         """Handle every event at ``now``; True when the policy is to decide now (every event
@@ -162,6 +193,10 @@ class _Replay:
         if done:
             self.queue = [w for w in self.queue if w.job.job_id not in done]
 
+    def memory_truth(self) -> str:
+        table = self.cluster.table
+        return self.truth.describe() if table is None else f"the throughput table's rows ({table.source})"
+
     def result(self, wall: float) -> SimulationResult:
         unschedulable, jcts, latencies = self.unschedulable, self.jcts, self.latencies
         reason = f"{self.policy.name} placed it nowhere, even on an idle cluster"
@@ -174,7 +209,7 @@ class _Replay:
         gpus = self.cluster.gpus
         return SimulationResult(
             policy=self.policy.name,
-            memory_truth=self.truth.describe(),
+            memory_truth=self.memory_truth(),
             cluster_gpus=gpus,
             jobs_total=len(self.jobs),
             jobs_completed=len(jcts),
@@ -196,14 +231,23 @@ class _Replay:
             decisions=len(latencies),
             unschedulable=unschedulable,
             wall_s=time.perf_counter() - wall,
+            jobs=self.records,
         )
 
 
-def simulate(jobs: list[SimJob], cluster_spec: ClusterSpec, policy: Policy, truth: MemoryTruth | None = None) -> SimulationResult:
+def simulate(
+    jobs: list[SimJob],
+    cluster_spec: ClusterSpec,
+    policy: Policy,
+    truth: MemoryTruth | None = None,
+    table: ThroughputTable | None = None,
+    records: bool = False,
+) -> SimulationResult:
     """Replay ``jobs`` under ``policy``; memory is decided by ``truth`` (default: MARP's published
-    errors, seed 0)."""
+    errors, seed 0), plans and speeds by MARP and the step-time model or by ``table``; with
+    ``records``, the result lists every completed job."""
     wall = time.perf_counter()
-    replay = _Replay(jobs, cluster_spec, policy, truth or MemoryTruth())
+    replay = _Replay(jobs, cluster_spec, policy, truth or MemoryTruth(), table, records)
     with _cycle_collection_paused():
         while replay.events:
             now = replay.events[0][0]
@@ -228,11 +272,14 @@ def _cycle_collection_paused() -> Iterator[None]:
 
 
 def start_run(start: Start, cluster: SimCluster, now: float, truth: MemoryTruth) -> Run:
-    """What actually happens to a started plan: its true peak by ``truth``, its time by the throughput model."""
+    """What actually happens to a started plan: its true peak by ``truth``, its time by the throughput
+    model (or table, which also charges the job's start-up)."""
     job = start.waiting.job
     gpu = cluster.gpu[start.gpu_type]
-    predicted = option(job.model, job.global_batch, gpu, start.plan, cluster.spec.network_gbps)
-    out_of_memory = truth.peak_bytes(job.job_id, predicted.peak_bytes) > gpu.memory_bytes
-    runtime = OOM_DETECTION_S if out_of_memory else job.steps * predicted.step_time(len(start.placements))
+    predicted = cluster.option(job, start.gpu_type, start.plan)
+    if predicted is None:
+        raise RuntimeError(f"policy started {job.job_id} as {start.plan.label()} on {start.gpu_type}, which the throughput table lacks")
+    out_of_memory = cluster.table is None and truth.peak_bytes(job.job_id, predicted.peak_bytes) > gpu.memory_bytes
+    runtime = OOM_DETECTION_S if out_of_memory else cluster.startup_s(job) + job.steps * predicted.step_time(len(start.placements))
     underestimate = gpu.memory_bytes / predicted.peak_bytes if out_of_memory else 1.0
     return Run(start.waiting, start.gpu_type, start.plan, start.placements, now + runtime, out_of_memory, underestimate, now)
