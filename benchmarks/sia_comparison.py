@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import json
 import os
 import re
 import subprocess
@@ -35,7 +36,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from benchmarks import write_result
-from frenzy_prefect.scheduling.inputs import load_cluster
+from frenzy_prefect.scheduling.inputs import load_cluster, load_sia_workload
 from frenzy_prefect.scheduling.policies import make_policy
 from frenzy_prefect.scheduling.simulator import simulate
 from frenzy_prefect.scheduling.throughput import ThroughputTable
@@ -70,17 +71,24 @@ def run_has(system: str, workload: str) -> dict[str, float]:
 
 
 def run_sia(system: str, workload: str) -> dict[str, float]:
-    """Sia's simulator on ``workload``: its printed per-job JCTs (the last "Completed jobs:" dict)."""
+    """Sia's simulator on ``workload``: its printed per-job JCTs."""
+    source = DATA / "workloads" / f"{workload}.csv"
+    jcts, _ = sia_simulator(system, source.read_text())
+    return jcts
+
+
+def sia_simulator(system: str, workload_csv: str) -> tuple[dict[str, float], list[dict]]:
+    """Sia's simulator on a workload's text: the per-job JCTs it prints (the last "Completed jobs:"
+    dict) and its jobs as its last round logged them (GPU type and placement)."""
     artifact, python = os.environ.get("SIA_ARTIFACT"), os.environ.get("SIA_PYTHON")
     if not artifact or not python:
         raise SystemExit("set SIA_ARTIFACT and SIA_PYTHON (scripts/sia-setup prints them)")
-    source = DATA / "workloads" / f"{workload}.csv"
+    lines = [line for line in workload_csv.splitlines() if line]
+    if system == "sia-rigid":
+        lines = [lines[0] + ",category", *(line + ",rigid" for line in lines[1:])]
     with tempfile.TemporaryDirectory() as tmp:
-        path = source
-        if system == "sia-rigid":
-            lines = source.read_text().splitlines()
-            path = Path(tmp) / source.name
-            path.write_text("\n".join([lines[0] + ",category", *(line + ",rigid" for line in lines[1:] if line)]) + "\n")
+        path = Path(tmp) / "workload.csv"
+        path.write_text("\n".join(lines) + "\n")
         out = subprocess.run(
             [python, "multi_simulator.py", str(path), *SIA_SYSTEMS[system], f"--output={tmp}/rounds.log"],
             cwd=Path(artifact) / "sia-simulator",
@@ -88,10 +96,41 @@ def run_sia(system: str, workload: str) -> dict[str, float]:
             text=True,
             timeout=3 * 3600,
         )
+        rounds = (Path(tmp) / "rounds.log").read_text().splitlines() if out.returncode == 0 else []
     found = re.findall(r"Completed jobs:\n(\{.*\})", out.stdout)
     if out.returncode or not found:
-        raise RuntimeError(f"{system} on {workload} failed ({out.returncode}): {out.stderr[-2000:]}")
-    return {name: float(jct) for name, jct in ast.literal_eval(found[-1]).items()}
+        raise RuntimeError(f"{system} failed ({out.returncode}): {out.stderr[-2000:]}")
+    last = json.loads(rounds[-1])["submitted_jobs"] if rounds else []
+    return {name: float(jct) for name, jct in ast.literal_eval(found[-1]).items()}, last
+
+
+SIA_TYPES = {"aws": "T4", "rtx": "RTX2080Ti", "dgx-ext": "A100-40GB"}  # as benchmarks/sia_table.py renames them
+
+
+def speed_check() -> list[dict]:
+    """The shared table against Sia's simulator: each (model, batch) of the workloads as one rigid
+    job alone, at its most requested GPU count; Sia's JCT against the table's start-up plus steps
+    at the step time of the type and GPU count Sia placed it on (one node or spread, as placed).
+    Sia starts a job at its first round, so its JCT includes up to one 60 s round of waiting."""
+    table = ThroughputTable.load(DATA / "throughput.csv")
+    counts: dict[tuple[str, int], dict[int, int]] = defaultdict(lambda: defaultdict(int))
+    for path in sorted((DATA / "workloads").glob("*/*.csv")):
+        for job in load_sia_workload(path):
+            counts[job.application, job.batch_size][job.num_replicas] += 1
+    rows = []
+    for (model, batch), by_count in sorted(counts.items()):
+        gpus = max(by_count, key=by_count.get)
+        jcts, jobs = sia_simulator("sia-rigid", f"name,time,application,num_replicas,batch_size\n{model}-0,0,{model},{gpus},{batch}\n")
+        placed = jobs[0]
+        gpu_type, placement = SIA_TYPES[placed["cluster"]], [n for n in placed["placement"] if n]
+        shape, row = table.shape(model, batch), table.option(model, batch, gpu_type, sum(placement))
+        per_node = {"T4": 4}.get(gpu_type, 8)
+        spread = len(placement) > 1 and sum(placement) <= per_node
+        predicted = shape.startup_s + shape.job_steps * (row.spread_step_s if spread else row.step_s)
+        sia = jcts[f"{model}-0"]
+        rows.append({"model": model, "global_batch": batch, "gpus": gpus, "gpu_type": gpu_type, "placement": placement,
+                     "sia_jct_s": sia, "table_s": predicted, "difference_s": sia - predicted})  # fmt: skip
+    return rows
 
 
 def summary(jcts: dict[str, float], total: int) -> dict:
@@ -121,8 +160,17 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=DEFAULT_WORKLOADS)
     parser.add_argument("--systems", nargs="+", default=[*HAS_SYSTEMS, *SIA_SYSTEMS], choices=[*HAS_SYSTEMS, *SIA_SYSTEMS])
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--speed-check", action="store_true", help="Only check the shared table against Sia's simulator, job by job.")
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/sia_comparison.json"))
     args = parser.parse_args()
+    if args.speed_check:
+        checks = speed_check()
+        print(f"{'model':<13}{'batch':>6}{'GPUs':>6}  {'Sia placed on':<26}{'Sia JCT s':>10}{'table s':>10}{'Sia - table':>12}")
+        for c in checks:
+            where, times = f"{c['gpu_type']} {c['placement']}", f"{c['sia_jct_s']:>10.0f}{c['table_s']:>10.0f}{c['difference_s']:>12.0f}"
+            print(f"{c['model']:<13}{c['global_batch']:>6}{c['gpus']:>6}  {where:<26}{times}")
+        write_result({"speed_check": checks}, args.json.with_name("sia_speed_check.json"))
+        return
 
     cases = [(s, w) for w in args.workloads for s in args.systems]
     with ProcessPoolExecutor(args.workers) as pool:  # processes: ilp silences file descriptor 1 while it solves

@@ -283,6 +283,8 @@ JOBS_ON_THREE_TYPES = "--trace examples/traces/elasticflow-cluster01-80jobs.csv 
 DOCUMENTED_SIMULATIONS = [
     f"frenzy simulate {JOBS_ON_THREE_TYPES} --policy frenzy",
     f"frenzy simulate {JOBS_ON_THREE_TYPES} --policy first-fit",
+    "frenzy simulate --trace benchmarks/data/sia/workloads/saturn/workload-1.csv --cluster benchmarks/data/sia/cluster.yaml"
+    " --throughput-table benchmarks/data/sia/throughput.csv --policy frenzy",
     "frenzy recycle simulate --trace examples/traces/p3-spot-first-2h.csv --dp 4 --pp 4 --microbatches 16 --policy recycle",
     "frenzy recycle simulate --trace examples/traces/p3-spot-first-2h.csv --dp 4 --pp 4 --microbatches 16 --policy checkpoint_restart",
 ]
@@ -322,7 +324,8 @@ def test_the_documented_simulate_examples_run_on_the_shipped_traces(command):
     stale = [figure for figure in _figures(result) if figure not in shown]
     assert not stale, f"docs/cli.md's output of `{command}` lacks {stale}: run it and paste what it prints"
     if "out_of_memory_restarts" in result:  # a bare count would match anywhere: match its row
-        row = rf"\nout-of-memory restarts +{result['out_of_memory_restarts']}\ntrue peak memory +published errors, seed 0\n"
+        truth = "the throughput table's \\(its rows fit\\)" if "--throughput-table" in command else "published errors, seed 0"
+        row = rf"\nout-of-memory restarts +{result['out_of_memory_restarts']}\ntrue peak memory +{truth}\n"
         assert re.search(row, shown), f"docs/cli.md's output of `{command}` shows another out-of-memory count or memory truth"
 
 
@@ -332,7 +335,7 @@ def test_every_input_file_the_docs_name_ships_with_a_clone():
     named = {
         (page.name, path)
         for page in pages
-        for path in re.findall(r"--(?:trace|gpu-types|mapping|step-time-table)[ =]([^\s`]+)", page.read_text())
+        for path in re.findall(r"--(?:trace|gpu-types|mapping|step-time-table|throughput-table)[ =]([^\s`]+)", page.read_text())
         if not path.isupper()
     }
     assert named, "no simulator example found in the docs"
