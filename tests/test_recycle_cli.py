@@ -72,3 +72,28 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
     out = recycle(*args)
     assert out.exit_code == 2
     assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_plan_with_a_model_predicts_every_live_workers_peak_under_the_cases_schedule():
+    """With --model, each stage lists its live workers' peaks (here stage 1's two survivors run six
+    micro-batches each, their failed peer's share included): schedule_peaks' of the planner's
+    schedule, which tests/test_recycle_memory.py holds to MemTracker on real ranks."""
+    from frenzy_prefect.pipeline.in_flight import schedule_peaks
+    from frenzy_prefect.profiling.model import PRESETS
+    from frenzy_prefect.recycle.fault_free import costs_from_fault_free_step
+    from frenzy_prefect.recycle.planners import planner
+    from frenzy_prefect.spec.plan import ParallelPlan
+    from frenzy_prefect.spec.workload import Workload
+
+    args = ["--dp", "3", "--pp", "2", "--microbatches", "4", "--fail", "1", "--model", "gpt-nano", "--seq-len", "64", "--precision", "fp32"]
+    out = json.loads(recycle(*args, "--json").stdout)
+    assert out["memory"] == {"model": "gpt-nano", "micro_batch": 1, "seq_len": 64, "precision": "fp32", "gpu": None}
+    schedule = planner("heuristic")(3, 2, 4, (0, 1), costs_from_fault_free_step(1.0, 3, 2, 4), None).schedule
+    work = Workload(global_batch=12, seq_len=64, precision="fp32")
+    expected = schedule_peaks(PRESETS["gpt-nano"], ParallelPlan(dp=3, pp=2), work, schedule)
+    last = out["stages"][1]
+    assert last["microbatches_per_worker"] == [6, 6] and last["peak_bytes_per_worker"] == [expected[p, 1] for p in schedule.live(1)]
+    table = recycle(*args).stdout
+    assert "peak each, GiB" in table
+    bad = recycle(*args[:8], "--model", "nope")
+    assert bad.exit_code == 2 and "model 'nope' is neither a preset" in bad.stderr

@@ -8,7 +8,7 @@ import typer
 
 from frenzy_prefect.cli.common import echo_json, plain_table, print_metrics, print_table
 from frenzy_prefect.errors import FrenzyError
-from frenzy_prefect.units import duration
+from frenzy_prefect.units import duration, gib
 
 
 def _knobs(items: list[str]):
@@ -114,14 +114,31 @@ def plan(
         None, "--memory-bound", help="Most micro-batches a worker may hold in flight (F done, W not); default: unbounded."
     ),
     actions: bool = typer.Option(False, "--actions", help="Also print every worker's action list."),
+    model: str | None = typer.Option(
+        None, "--model", help="Also predict each live worker's peak memory for this model (a preset or config)."
+    ),
+    micro_batch: int = typer.Option(1, "--micro-batch", min=1, help="With --model: sequences per micro-batch."),
+    seq_len: int | None = typer.Option(None, "--seq-len", help="With --model: tokens per sequence (default: the model's longest)."),
+    precision: str = typer.Option("bf16", "--precision", help="With --model: fp32, bf16 or fp16."),
+    gpu: str | None = typer.Option(None, "--gpu", help="With --model: a catalog GPU type, to add what it holds around the tensors."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Plan one failure case: per stage the live workers, micro-batches each and bubble share; the
-    iteration time and throughput relative to the planner's schedule without failures; the planner's time."""
+    iteration time and throughput relative to the planner's schedule without failures; the planner's
+    time; with --model, each live worker's predicted peak memory under the case's schedule."""
     from frenzy_prefect.recycle.case_summary import plan_case
 
+    memory = _worker_memory(model, dp, microbatches, micro_batch, seq_len, precision, gpu) if model else None
     out = plan_case(
-        dp, pp, microbatches, _failed_stages(fail), planner_name=planner_name, step_s=step_s, memory_bound=memory_bound, actions=actions
+        dp,
+        pp,
+        microbatches,
+        _failed_stages(fail),
+        planner_name=planner_name,
+        step_s=step_s,
+        memory_bound=memory_bound,
+        actions=actions,
+        memory=memory,
     )
     if as_json:
         echo_json(out)
@@ -129,15 +146,27 @@ def plan(
     print_case(out)
 
 
+def _worker_memory(model: str, dp: int, microbatches: int, micro_batch: int, seq_len: int | None, precision: str, gpu: str | None):
+    from frenzy_prefect.cli.common import gpu_type
+    from frenzy_prefect.profiling.model import resolve_model
+    from frenzy_prefect.recycle.case_summary import WorkerMemory
+    from frenzy_prefect.spec.workload import Workload
+
+    spec = resolve_model(model, seq_len)
+    work = Workload(global_batch=dp * microbatches * micro_batch, seq_len=seq_len or spec.max_seq_len, precision=precision)
+    return WorkerMemory(spec, work, micro_batch, gpu_type(gpu) if gpu else None)
+
+
 def print_case(out: dict) -> None:
     """`recycle plan`'s table and summary, from its JSON."""
     table = plain_table()
-    for column in ("stage", "live", "micro-batches each", "bubble"):
+    peaks = "memory" in out
+    for column in ("stage", "live", "micro-batches each", "bubble", *(["peak each, GiB"] if peaks else [])):
         table.add_column(column, justify="right")
     for st in out["stages"]:
-        table.add_row(
-            str(st["stage"]), str(st["live_workers"]), ", ".join(map(str, st["microbatches_per_worker"])), f"{st['bubble_fraction']:.1%}"
-        )
+        counts = ", ".join(map(str, st["microbatches_per_worker"]))
+        row = [str(st["stage"]), str(st["live_workers"]), counts, f"{st['bubble_fraction']:.1%}"]
+        table.add_row(*row, *([", ".join(gib(b) for b in st["peak_bytes_per_worker"])] if peaks else []))
     title = f"dp={out['dp']} pp={out['pp']} microbatches={out['microbatches']}, failures per stage {out['failures_per_stage']}"
     console = print_table(f"{title}, planner {out['planner']}", table)
     gap = f", gap {out['mip_gap']:.2%}" if out["mip_gap"] is not None else ""

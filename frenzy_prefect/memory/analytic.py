@@ -55,7 +55,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -290,6 +290,24 @@ def in_flight_micro_batch_bytes(terms: MicroBatchTerms, plan: ParallelPlan, *, l
     return own + terms.boundary * ((not first) + (not last))
 
 
+def deferred_weight_grad_bytes(model: ModelSpec, micro_batch: int, work: Workload, *, layers: int, stage: int, pp: int) -> int:
+    """What a micro-batch holds beyond its saved activations on a rank of ``stage`` between its B and
+    a W that does not follow it at once (zero-bubble split backward, ReCycle's schedules):
+    torch.distributed.pipelining's ``stage_backward_input`` keeps, for W, the gradient of every
+    operation's output that a weight feeds (per layer the two norms', the QKV, output, MLP-in and
+    MLP-out projections'; on the last stage the final norm's and the head's), and the stage
+    input's gradient it sent back. The first stage's B computes nothing (its input is token ids):
+    its W runs the whole backward, so nothing is kept. Tensor parallelism is not modelled (ReCycle
+    runs tp = 1); norms' gradients are counted in fp32, the projections' in the compute dtype."""
+    if stage == 0:
+        return 0
+    tokens, h, e = work.seq_len * micro_batch, model.hidden, COMPUTE_BYTES[work.precision]
+    mlp_in = (2 if model.mlp == "swiglu" else 1) * model.ffn_hidden
+    per_layer = 2 * FP32 * h + e * (h + 2 * model.kv_width + h + mlp_in + h)
+    last = FP32 * h + e * vocab_rows(model, 1) if stage == pp - 1 else 0
+    return tokens * (layers * per_layer + last + e * h)
+
+
 class StageShape(NamedTuple):
     """A rank of one pipeline stage, whatever the data parallelism and ZeRO: its layers,
     parameters, largest parameter tensor, and the bytes of one micro-batch in flight on it."""
@@ -300,13 +318,16 @@ class StageShape(NamedTuple):
     micro: int
 
 
-def activation_moments(terms: MicroBatchTerms, pp: int, stage: StageShape, index: int, micro_batches: int) -> Moments:
-    """The candidate peaks of a rank of pipeline stage ``index`` (of ``pp``): 1F1B keeps
-    min(pp - index, micro-batches) of its micro-batches in flight, the oldest in its backward."""
+def activation_moments(
+    terms: MicroBatchTerms, pp: int, stage: StageShape, index: int, micro_batches: int, in_flight: int | None = None
+) -> Moments:
+    """The candidate peaks of a rank of pipeline stage ``index`` (of ``pp``) running
+    ``micro_batches`` micro-batches a step: 1F1B keeps min(pp - index, micro-batches) of them in
+    flight (``in_flight``: another schedule's count, e.g. ReCycle's), the oldest in its backward."""
     first, last = index == 0, index == pp - 1
     micro = stage.micro
     ids = micro_batches * terms.ids
-    held = (min(pp - index, micro_batches) - 1) * micro + ids
+    held = ((min(pp - index, micro_batches) if in_flight is None else in_flight) - 1) * micro + ids
     pending = terms.tied_pending if pp == 1 else 0
     cache = stage.layers * terms.cache_layer
     if last:
@@ -356,8 +377,12 @@ class PlanSearch:
             found = self._shared[key] = shared_by_plans(self.model, *key, self.work)
         return found
 
-    def stage_peaks(self, plan: ParallelPlan, stages: Sequence[int] | None = None) -> tuple[Breakdown, ...]:
-        """The tensors at the peak of a rank of each of ``stages`` (default: every pipeline stage), as plain tuples."""
+    def stage_peaks(
+        self, plan: ParallelPlan, stages: Sequence[int] | None = None, schedule: Mapping[int, tuple[int, int]] | None = None
+    ) -> tuple[Breakdown, ...]:
+        """The tensors at the peak of a rank of each of ``stages`` (default: every pipeline stage),
+        as plain tuples; ``schedule``: per stage, the (micro-batches held in flight at most,
+        micro-batches run) of a rank under another schedule than fault-free 1F1B (ReCycle's)."""
         if not zero_runs_with(plan.zero, plan.tp, plan.pp):
             check_plan(self.model, plan)  # names what would be accepted
         if self.work.master_weights and plan.zero == 2:
@@ -368,7 +393,8 @@ class PlanSearch:
         out = []
         for stage in range(plan.pp) if stages is None else stages:
             shape = shapes[stage]
-            moments = activation_moments(terms, plan.pp, shape, stage, micro_batches)
+            held, runs = (None, micro_batches) if schedule is None else schedule[stage]
+            moments = activation_moments(terms, plan.pp, shape, stage, runs, held)
             if plan.zero == 3:
                 out.append(fully_sharded_peak(self.model, plan, moments, self.optimizer_bytes, self.on_gpu, self.weight_bytes))
             elif plan.zero == 2:

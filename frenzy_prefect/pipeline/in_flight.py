@@ -9,8 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from frenzy_prefect.memory.analytic import estimate, in_flight_micro_batch_bytes, micro_batch_terms
-from frenzy_prefect.pipeline.schedule import Schedule
+from frenzy_prefect.memory.analytic import (
+    deferred_weight_grad_bytes,
+    estimate,
+    in_flight_micro_batch_bytes,
+    micro_batch_terms,
+    on_device,
+    plan_search,
+)
+from frenzy_prefect.pipeline.schedule import Action, Schedule, fused_backwards
 from frenzy_prefect.pipeline.workers import ScheduleInputError, Worker
 from frenzy_prefect.spec.gpu import GpuType
 from frenzy_prefect.spec.layout import stage_layer_counts
@@ -56,3 +63,54 @@ def in_flight_bound(model: ModelSpec, plan: ParallelPlan, work: Workload, gpu: G
         free = gpu.memory_bytes - (b.total - b.activations) - ids
         bounds.append(max(0, free // in_flight_micro_batch_bytes(terms, plan, layers=layers[stage], stage=stage)))
     return bounds
+
+
+def schedule_peaks(
+    model: ModelSpec, plan: ParallelPlan, work: Workload, schedule: Schedule, gpu: GpuType | None = None
+) -> dict[Worker, int]:
+    """MARP's peak of every worker that runs something in ``schedule`` (ReCycle's, fault-free or
+    re-routed around failed workers), the larger of two moments:
+
+    - within an action: its stage's estimate with the micro-batches it holds in flight at most
+      (F done, W not) and runs in the step, each holding its saved activations;
+    - between actions, where a split backward's deferred W's pile up: every micro-batch between
+      its F and its B holds its saved activations, every one between its B and a W that does not
+      follow at once holds them too (less the loss's logits on the last stage, freed by B) and the
+      gradients its W needs (``deferred_weight_grad_bytes``); the most, over the program.
+
+    ``gpu`` None: the tensors alone (as MemTracker measures them); else the planner's figure on
+    that GPU (``on_device``)."""
+    search = plan_search(model, work, gpu)
+    terms, shapes = search.shared(plan)
+    layers = stage_layer_counts(model.layers, plan.pp)
+    peaks = {}
+    for (pipeline, stage), program in sorted(schedule.programs.items()):
+        runs = sum(a.kind == "F" for a in program)
+        if not runs:
+            continue
+        within = search.stage_peaks(plan, (stage,), {stage: (in_flight_peak(schedule, (pipeline, stage)), runs)})[0]
+        params, grads, optimizer, _, _ = within
+        micro = shapes[stage].micro
+        deferred = micro - (terms.logits if stage == plan.pp - 1 else 0)
+        deferred += deferred_weight_grad_bytes(model, plan.micro_batch, work, layers=layers[stage], stage=stage, pp=plan.pp)
+        between = params + grads + optimizer + runs * terms.ids + held_bytes(program, micro, deferred if stage else micro)
+        tensors = max(sum(within), between)
+        peaks[pipeline, stage] = tensors if gpu is None else on_device(tensors, plan, gpu)
+    return peaks
+
+
+def held_bytes(program: Sequence[Action], forwarded: int, deferred: int) -> int:
+    """The most a program holds between its actions: ``forwarded`` bytes per micro-batch between
+    its F and its B, ``deferred`` per one between its B and a W that does not follow it at once."""
+    fused = fused_backwards(program)
+    after_f = after_b = peak = 0
+    for a in program:
+        if a.kind == "F":
+            after_f += 1
+        elif a.kind == "B":
+            after_f -= 1
+            after_b += (a.pipeline, a.micro) not in fused
+        elif a.kind == "W":
+            after_b -= (a.pipeline, a.micro) not in fused
+        peak = max(peak, after_f * forwarded + after_b * deferred)
+    return peak

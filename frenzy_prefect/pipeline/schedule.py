@@ -137,3 +137,13 @@ class Schedule(BaseModel):
             programs[(maps[s][p], s)] = tuple(a._replace(peer=maps[peer_stage(a, s)][a.peer]) if a.peer >= 0 else a for a in program)
         failed = frozenset((maps[s][p], s) for p, s in self.failed)
         return self.model_copy(update={"programs": programs, "failed": failed})
+
+
+def fused_backwards(program: Sequence[Action]) -> set[tuple[int, int]]:
+    """The micro-batches whose W follows their B with no other compute between: one backward()."""
+    compute = [a for a in program if a.kind in COMPUTE]
+    return {
+        (a.pipeline, a.micro)
+        for a, b in zip(compute, compute[1:], strict=False)
+        if a.kind == ActionKind.B and b.kind == ActionKind.W and (b.pipeline, b.micro) == (a.pipeline, a.micro)
+    }

@@ -6,12 +6,42 @@ the planner's time."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
+from frenzy_prefect.pipeline.in_flight import schedule_peaks
+from frenzy_prefect.pipeline.schedule import Schedule
 from frenzy_prefect.pipeline.timeline import run_timeline, steady_state_period_s
 from frenzy_prefect.recycle.failures import key_from_stages
 from frenzy_prefect.recycle.fault_free import costs_from_fault_free_step
 from frenzy_prefect.recycle.planners import fault_free_plan, planner
+from frenzy_prefect.spec.gpu import GpuType
+from frenzy_prefect.spec.model import ModelSpec
+from frenzy_prefect.spec.plan import ParallelPlan
+from frenzy_prefect.spec.workload import Workload
+
+
+@dataclass(frozen=True)
+class WorkerMemory:
+    """What to predict workers' peaks for: a model and workload, micro-batches of ``micro_batch``
+    sequences (ZeRO 0, tp 1, no recomputation: what ReCycle runs), on ``gpu`` (None: the tensors alone)."""
+
+    model: ModelSpec
+    work: Workload
+    micro_batch: int
+    gpu: GpuType | None
+
+    def peaks(self, dp: int, pp: int, schedule: Schedule) -> dict[tuple[int, int], int]:
+        return schedule_peaks(self.model, ParallelPlan(dp=dp, pp=pp, micro_batch=self.micro_batch), self.work, schedule, self.gpu)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "model": self.model.name,
+            "micro_batch": self.micro_batch,
+            "seq_len": self.work.seq_len,
+            "precision": self.work.precision,
+            "gpu": self.gpu.name if self.gpu else None,
+        }
 
 
 def plan_case(
@@ -24,11 +54,13 @@ def plan_case(
     step_s: float = 1.0,
     memory_bound: int | None = None,
     actions: bool = False,
+    memory: WorkerMemory | None = None,
 ) -> dict[str, Any]:
     """Plan the case where workers of ``failed_stages`` (0-based, one entry per failed worker) are
     gone, with F:B:W costs such that the schedule without failures (under the memory bound) lasts
     ``step_s`` seconds; both throughputs are relative to the planner's schedule without failures.
-    The result is the `recycle plan --json` schema; with ``actions``, also every worker's action list."""
+    The result is the `recycle plan --json` schema; with ``actions``, also every worker's action
+    list; with ``memory``, every live worker's predicted peak (``in_flight.schedule_peaks``)."""
     run = planner(planner_name)
     costs = costs_from_fault_free_step(step_s, dp, pp, microbatches, memory_bound=memory_bound)
     key = key_from_stages(dp, pp, failed_stages)
@@ -37,6 +69,7 @@ def plan_case(
     timeline = run_timeline(result.schedule, costs)
     period = steady_state_period_s(result.schedule, costs)
     fault_free_period = steady_state_period_s(baseline.schedule, costs)
+    peaks = memory.peaks(dp, pp, result.schedule) if memory else None
     stages = []
     for s in range(pp):
         live = result.schedule.live(s)
@@ -47,6 +80,7 @@ def plan_case(
                 "microbatches_per_worker": [result.schedule.compute_counts((p, s)) for p in live],
                 "bubble_fraction": sum(timeline.bubble_fraction((p, s)) for p in live) / len(live),
             }
+            | ({"peak_bytes_per_worker": [peaks[p, s] for p in live]} if peaks else {})
         )
     out = {
         "dp": dp,
@@ -65,6 +99,8 @@ def plan_case(
         "steady_state_relative_throughput": fault_free_period / period,
         "stages": stages,
     }
+    if memory:
+        out["memory"] = memory.describe()
     if actions:
         out["actions"] = {f"{p},{s}": result.schedule.render((p, s)) for p, s in sorted(result.schedule.programs)}
     return out

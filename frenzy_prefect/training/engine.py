@@ -123,7 +123,7 @@ class Groups:
             tp=TensorParallel(rank=tp_rank, size=plan.tp, group=tp_groups[stage, replica]) if plan.tp > 1 else TensorParallel(),
             dp=dp_groups[stage, tp_rank],
             replicas=sum(plan.rank_of(stage, d, tp_rank) in position for d in range(plan.dp)),
-            tied=tied.get(tp_rank),
+            tied=tied.get(tp_rank) if stage in ends else None,  # a middle stage holds neither copy
         )
 
 

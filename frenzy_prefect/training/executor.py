@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from frenzy_prefect.errors import FrenzyError
-from frenzy_prefect.pipeline.schedule import COMPUTE, Action, ActionKind, Schedule
+from frenzy_prefect.pipeline.schedule import Action, ActionKind, Schedule, fused_backwards
 from frenzy_prefect.pipeline.workers import Worker
 from frenzy_prefect.torch_private import stage_backward_input, stage_backward_weight
 
@@ -69,16 +69,6 @@ def send_waits(schedule: Schedule, worker: Worker) -> dict[int, list[int]]:
         if after > i:
             waits.setdefault(after, []).append(i)
     return waits
-
-
-def fused_backwards(program: Sequence[Action]) -> set[tuple[int, int]]:
-    """The micro-batches whose W follows their B with no other compute between: one backward()."""
-    compute = [a for a in program if a.kind in COMPUTE]
-    return {
-        (a.pipeline, a.micro)
-        for a, b in zip(compute, compute[1:], strict=False)
-        if a.kind == ActionKind.B and b.kind == ActionKind.W and (b.pipeline, b.micro) == (a.pipeline, a.micro)
-    }
 
 
 @dataclass

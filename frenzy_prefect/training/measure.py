@@ -12,12 +12,15 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
 
 from frenzy_prefect.errors import FrenzyError
+from frenzy_prefect.pipeline.costs import StageCosts
+from frenzy_prefect.pipeline.schedule import Schedule
 from frenzy_prefect.spec.layout import check_engine_plan
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import MemoryBreakdown, ParallelPlan
@@ -45,6 +48,10 @@ class Measurement(BaseModel):
     model: ModelSpec
     plan: ParallelPlan
     work: Workload
+    recycle_failed: tuple[tuple[NonNegativeInt, NonNegativeInt], ...] | None = Field(
+        default=None,
+        description="Run ReCycle's schedule (the live runtime's) around these failed (pipeline, stage) workers; () fault-free.",
+    )
 
 
 class RankMemory(BaseModel):
@@ -92,12 +99,15 @@ def measure_rank(measurement: Measurement, ctx: DistributedContext) -> RankMemor
         tracker.restart_peak()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        for _ in range(STEPS):
-            batches = []
-            for _ in range(accumulation):
-                ids = torch.randint(0, model.vocab_size, (plan.micro_batch, work.seq_len + 1), generator=generator).to(device)
-                batches.append((ids[:, :-1], ids[:, 1:]))
-            engine.step(batches)
+        if measurement.recycle_failed is None:
+            for _ in range(STEPS):
+                batches = []
+                for _ in range(accumulation):
+                    ids = torch.randint(0, model.vocab_size, (plan.micro_batch, work.seq_len + 1), generator=generator).to(device)
+                    batches.append((ids[:, :-1], ids[:, 1:]))
+                engine.step(batches)
+        else:
+            _recycle_steps(measurement, engine, ctx)
     stage, _, _ = plan.coordinates(ctx.rank)
     result = RankMemory(rank=ctx.rank, stage=stage, breakdown=peak_breakdown(tracker, device))
     if device.type == "cuda":
@@ -106,6 +116,36 @@ def measure_rank(measurement: Measurement, ctx: DistributedContext) -> RankMemor
         result.cuda_max_reserved = torch.cuda.max_memory_reserved(device)
         result.cuda_outside_torch = max(0, total - free - torch.cuda.memory_reserved(device))
     return result
+
+
+def _recycle_steps(measurement: Measurement, engine, ctx: DistributedContext) -> None:
+    """STEPS steps of ReCycle's schedule around the failed workers. Every rank draws any
+    pipeline's micro-batch alike (seeded by step, pipeline and index), its own up front and the
+    others' it runs (a failed peer's) when first asked for, each kept to the step's end, as the
+    live runtime's reader keeps them."""
+    model, plan, work = measurement.model, measurement.plan, measurement.work
+    accumulation = plan.accumulation(work.global_batch)
+    schedule = recycle_schedule(plan, accumulation, measurement.recycle_failed or ())
+    _, replica, _ = plan.coordinates(ctx.rank)
+    for step in range(STEPS):
+        drawn: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def micro_batch(pipeline: int, index: int, step: int = step, drawn: dict = drawn) -> tuple[torch.Tensor, torch.Tensor]:
+            if (pipeline, index) not in drawn:
+                seeded = torch.Generator().manual_seed(step * 1_000_003 + pipeline * 1_009 + index)
+                ids = torch.randint(0, model.vocab_size, (plan.micro_batch, work.seq_len + 1), generator=seeded).to(ctx.device)
+                drawn[pipeline, index] = (ids[:, :-1], ids[:, 1:])
+            return drawn[pipeline, index]
+
+        engine.step([micro_batch(replica, j) for j in range(accumulation)], schedule=schedule, source=micro_batch)
+
+
+def recycle_schedule(plan: ParallelPlan, micro_batches: int, failed: Iterable[tuple[int, int]]) -> Schedule:
+    """The schedule ReCycle's live runtime runs around ``failed`` workers (its planner, uniform costs)."""
+    from frenzy_prefect.recycle.cache import PlanCache
+
+    found = PlanCache(plan.dp, plan.pp, micro_batches, StageCosts.uniform(plan.pp), plan_on_demand=True).lookup(failed)
+    return found.plan.schedule.relabelled(found.pipeline_maps)
 
 
 def measure(measurement: Measurement, timeout_s: float = 600) -> list[RankMemory]:
