@@ -7,13 +7,13 @@ from frenzy_prefect.allocator.pins import unmet_pin
 from frenzy_prefect.allocator.space import MAX_PLANS, Shape, divisors, shapes
 from frenzy_prefect.allocator.step_time import predict_step
 from frenzy_prefect.errors import FrenzyError, NoFeasiblePlan
-from frenzy_prefect.memory.analytic import estimate
+from frenzy_prefect.memory.analytic import estimate, recycle_estimate
 from frenzy_prefect.memory.calibration import Calibration
 from frenzy_prefect.spec.cluster import ClusterSpec
 from frenzy_prefect.spec.gpu import GpuType
 from frenzy_prefect.spec.layout import check_engine_plan, check_resilience
 from frenzy_prefect.spec.model import ModelSpec
-from frenzy_prefect.spec.plan import ParallelPlan, PlanCandidate
+from frenzy_prefect.spec.plan import MemoryEstimate, ParallelPlan, PlanCandidate
 from frenzy_prefect.spec.request import PlanPin, TrainingRequest
 
 
@@ -85,7 +85,7 @@ def candidate_plans(
                 PlanCandidate(
                     gpu_type=name,
                     plan=plan,
-                    memory=estimate(model, plan, work, gpu=gpu, calibration=calibration),
+                    memory=_memory(model, plan, request, gpu, calibration),
                     gpu_memory_bytes=gpu.memory_bytes,
                     margin_bytes=margin,
                     **_time_and_cost(step_s, plan, name, request, cluster),
@@ -105,6 +105,15 @@ def candidate_plans(
         )
     )
     return out
+
+
+def _memory(
+    model: ModelSpec, plan: ParallelPlan, request: TrainingRequest, gpu: GpuType, calibration: Calibration | None
+) -> MemoryEstimate:
+    """MARP's estimate of ``plan``; under ReCycle, over its schedules with the request's failures re-routed."""
+    if request.resilience == "recycle":
+        return recycle_estimate(model, plan, request.workload, failures=request.recycle_failures, gpu=gpu, calibration=calibration)
+    return estimate(model, plan, request.workload, gpu=gpu, calibration=calibration)
 
 
 def _usable_kinds(request: TrainingRequest, cluster: ClusterSpec) -> dict[str, tuple[GpuType, int, int]]:

@@ -72,6 +72,7 @@ from frenzy_prefect.spec.layout import (
     layer_parameters,
     parameter_sizes,
     root_shapes,
+    stage_layer_counts,
     stage_shapes,
     stage_tensor_sizes,
     uses_ddp,
@@ -512,6 +513,42 @@ def estimate(
             for p, g, o, saved, transient in search.stage_peaks(plan)
         ]
     )
+
+
+def recycle_estimate(
+    model: ModelSpec,
+    plan: ParallelPlan,
+    work: Workload,
+    *,
+    failures: int = 1,
+    gpu: GpuType | None = None,
+    calibration: Calibration | None = None,
+) -> MemoryEstimate:
+    """``plan``'s estimate when ReCycle runs it (its planner's schedules, as the live runtime
+    does): a bound over every case of up to ``failures`` failed workers in one stage. Each rank
+    holds every micro-batch it runs in a step at once (the planner's fault-free schedules already
+    defer their W's that far), each waiting for its W with what W keeps
+    (``deferred_weight_grad_bytes``; the loss's logits freed by B); where a stage lost workers, its
+    survivors run their share too: ceil(micro-batches x dp / (dp - failures)) each. The schedules
+    themselves are predicted exactly by ``pipeline.in_flight.schedule_peaks``, which this bounds
+    without planning them (seconds per plan: too slow for the allocator's search)."""
+    search = plan_search(model, work, gpu, calibration)
+    runs = -(-plan.accumulation(work.global_batch) * plan.dp // (plan.dp - min(failures, plan.dp - 1)))
+    terms, shapes = search.shared(plan)
+    layers = stage_layer_counts(model.layers, plan.pp)
+    stages = []
+    everything_held = dict.fromkeys(range(plan.pp), (runs, runs))
+    for stage, (params, grads, optimizer, saved, transient) in enumerate(search.stage_peaks(plan, None, everything_held)):
+        micro = shapes[stage].micro
+        waiting = micro - (terms.logits if stage == plan.pp - 1 else 0)
+        waiting += deferred_weight_grad_bytes(model, plan.micro_batch, work, layers=layers[stage], stage=stage, pp=plan.pp)
+        between = runs * (terms.ids + (max(micro, waiting) if stage else micro))
+        if between > saved + transient:
+            saved, transient = between, 0
+        tensors = params + grads + optimizer + saved + transient
+        other = transient + _runtime(search.constants, tensors, plan)
+        stages.append(MemoryBreakdown(params=params, grads=grads, optimizer=optimizer, activations=saved, other=other))
+    return MemoryEstimate(per_stage=stages)
 
 
 def fully_sharded_peak(

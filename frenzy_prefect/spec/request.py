@@ -116,6 +116,13 @@ class TrainingRequest(BaseModel):
             "pipeline plan with dp >= 2 and pp >= 2."
         ),
     )
+    recycle_failures: NonNegativeInt = Field(
+        default=1,
+        description=(
+            "With resilience 'recycle': how many failed workers of one stage a plan must hold in memory, their micro-batches "
+            "re-routed to the stage's survivors (the allocator's fit test; 0: only the fault-free schedule)."
+        ),
+    )
     objective: Objective = Field(
         default="time",
         description="Which fitting plan to run: the fastest ('time') or the cheapest ('cost': needs prices in the cluster).",
