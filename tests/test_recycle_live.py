@@ -160,15 +160,23 @@ def test_a_stage_that_loses_every_replica_restarts_from_the_last_checkpoint(data
     losses, _ = fault_free
     # Every checkpoint kept, so that the one resumed from can be checked untouched.
     job = job_of(dataset, "recycle-wipe-out", max_replacements=0, max_restarts=1, keep_checkpoints=10)
+    assert_restarts_from_the_last_checkpoint(job, (2, 3), losses)  # both replicas of stage 1
+
+
+def assert_restarts_from_the_last_checkpoint(job: TrainingJob, ranks: tuple[int, ...], losses: list[float]) -> None:
+    """Kill ``ranks``' trainers after the first checkpoint; the job must end well, every rank
+    restarted by torchrun from the newest complete checkpoint at that moment, with ``losses``."""
     killed: list[int] = []
-    killers = [kill_after_first_checkpoint(job, rank, killed) for rank in (2, 3)]  # both replicas of stage 1
+    killers = [kill_after_first_checkpoint(job, rank, killed) for rank in ranks]
     at_restart: list[tuple[int, dict[str, object]]] = []
 
     def note_the_checkpoint_resumed_from() -> None:
         # Once torchrun has started the ranks again (before they can have trained a step), the
         # newest complete checkpoint is the one they resume from.
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and not (len(killed) == 2 and (t := trainer_of(2, 0)) is not None and t.pid not in killed):
+        while time.monotonic() < deadline and not (
+            len(killed) == len(ranks) and (t := trainer_of(ranks[0], 0)) is not None and t.pid not in killed
+        ):
             time.sleep(0.05)
         newest = complete_checkpoints(job.checkpoint_uri)[-1]
         at_restart.append((int(newest.rsplit("-", 1)[1]), files_of(newest)))
@@ -178,10 +186,33 @@ def test_a_stage_that_loses_every_replica_restarts_from_the_last_checkpoint(data
     code, _ = launch(job)
     for thread in (*killers, watcher):
         thread.join()
-    assert len(killed) == 2 and code == 0
+    assert len(killed) == len(ranks) and code == 0
     ((step, files),) = at_restart
     assert_resumed_after(job, step, files)
     assert metrics_of(job)["losses"] == pytest.approx(losses, rel=1e-5)
+
+
+def test_a_re_route_that_would_not_fit_restarts_from_the_last_checkpoint(dataset, fault_free):
+    """The run's GPUs hold ReCycle's fault-free schedule but not its re-routed one (the job's GPU
+    memory set between the two predictions, as for a plan fitted with recycle_failures 0): when
+    rank 3 (pipeline 1, stage 1) dies, its peer does not take its micro-batches; the survivors stop
+    and torchrun restarts every rank from the last checkpoint, and the run ends with the fault-free
+    losses."""
+    from frenzy_prefect.pipeline.in_flight import schedule_peaks
+    from frenzy_prefect.recycle.fits import ScheduleWouldNotFit, check_fits
+    from frenzy_prefect.training.measure import recycle_schedule
+
+    losses, _ = fault_free
+    job = job_of(dataset, "recycle-no-room", max_replacements=0, max_restarts=1, keep_checkpoints=10)
+    gpu, micro_batches = job.cluster.gpu_of(job.cluster.nodes[0]), PLAN.accumulation(job.request.global_batch)
+    fault_free_schedule, rerouted = (recycle_schedule(PLAN, micro_batches, failed) for failed in ((), ((1, 1),)))
+    need = [max(schedule_peaks(NANO, PLAN, job.request.workload, s, gpu).values()) for s in (fault_free_schedule, rerouted)]
+    assert need[0] < need[1]
+    job = job.model_copy(update={"allocation": job.allocation.model_copy(update={"gpu_memory_bytes": sum(need) // 2})})
+    check_fits(job, fault_free_schedule)
+    with pytest.raises(ScheduleWouldNotFit, match=r"would need [\d.]+ GiB on the worker of pipeline 0, stage 1, more than"):
+        check_fits(job, rerouted)
+    assert_restarts_from_the_last_checkpoint(job, (3,), losses)
 
 
 def test_through_the_pool_a_train_llm_run_stays_running_through_a_killed_rank_and_reports_it(stack, worker_pool, dataset):

@@ -17,6 +17,10 @@ of their stage, W's deferred into bubbles; ``recycle.cache``), looked up in mill
 - **A stage with no live replica** cannot be re-routed: the survivors stop with
   NeedsCheckpointRestart and torchrun restarts every rank from the last checkpoint
   (``max_restarts``). Checkpoints are written by whoever is alive (every stage has a replica).
+- **A re-route that would not fit** in a survivor's GPU (predicted per worker,
+  ``recycle.fits``; the allocator fitted the plan for ``recycle_failures`` failed workers in a
+  stage) is not run either: the survivors stop with ScheduleWouldNotFit, saying what it would
+  need, and torchrun restarts every rank from the last checkpoint.
 
 Only ZeRO-0 pipelines (dp >= 2, pp >= 2, tp = 1) keep a copy of every stage on other ranks;
 ``spec.layout.check_resilience`` refuses the rest (the allocator chooses among the others).
@@ -36,6 +40,7 @@ from frenzy_prefect.errors import FrenzyError, exception_chain
 from frenzy_prefect.pipeline.costs import StageCosts
 from frenzy_prefect.pipeline.schedule import Schedule
 from frenzy_prefect.recycle.cache import PlanCache
+from frenzy_prefect.recycle.fits import check_fits
 from frenzy_prefect.spec.plan import TrainingJob
 from frenzy_prefect.training.data import step_seed
 from frenzy_prefect.training.engine import Engine, MicroBatch
@@ -80,7 +85,9 @@ class RecycleSteps:
 
     def _schedule(self) -> Schedule:
         found = self.cache.lookup(self._failed_workers())  # NeedsCheckpointRestart when a stage has no replica left
-        return found.plan.schedule.relabelled(found.pipeline_maps)
+        schedule = found.plan.schedule.relabelled(found.pipeline_maps)
+        check_fits(self.job, schedule)  # ScheduleWouldNotFit: more failures than the plan was fitted for
+        return schedule
 
     def step(self, step: int, batches: Callable[[int], list[MicroBatch]], progress: Callable[[], dict]) -> float:
         """Run ``step`` through any failure; first admit the replacements the last commit point
