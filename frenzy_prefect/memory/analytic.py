@@ -309,6 +309,17 @@ def deferred_weight_grad_bytes(model: ModelSpec, micro_batch: int, work: Workloa
     return tokens * (layers * per_layer + last + e * h)
 
 
+def waiting_for_w_bytes(model: ModelSpec, plan: ParallelPlan, work: Workload, terms: MicroBatchTerms, micro: int, stage: int) -> int:
+    """What a micro-batch holds on a rank of ``stage`` between its B and a deferred W: its saved
+    activations (``micro``), less the loss's logits on the last stage (freed by B), and what W
+    keeps (``deferred_weight_grad_bytes``). On the first stage B computes nothing: ``micro``."""
+    if stage == 0:
+        return micro
+    layers = stage_layer_counts(model.layers, plan.pp)[stage]
+    freed = terms.logits if stage == plan.pp - 1 else 0
+    return micro - freed + deferred_weight_grad_bytes(model, plan.micro_batch, work, layers=layers, stage=stage, pp=plan.pp)
+
+
 class StageShape(NamedTuple):
     """A rank of one pipeline stage, whatever the data parallelism and ZeRO: its layers,
     parameters, largest parameter tensor, and the bytes of one micro-batch in flight on it."""
@@ -535,14 +546,11 @@ def recycle_estimate(
     search = plan_search(model, work, gpu, calibration)
     runs = -(-plan.accumulation(work.global_batch) * plan.dp // (plan.dp - min(failures, plan.dp - 1)))
     terms, shapes = search.shared(plan)
-    layers = stage_layer_counts(model.layers, plan.pp)
     stages = []
     everything_held = dict.fromkeys(range(plan.pp), (runs, runs))
     for stage, (params, grads, optimizer, saved, transient) in enumerate(search.stage_peaks(plan, None, everything_held)):
         micro = shapes[stage].micro
-        waiting = micro - (terms.logits if stage == plan.pp - 1 else 0)
-        waiting += deferred_weight_grad_bytes(model, plan.micro_batch, work, layers=layers[stage], stage=stage, pp=plan.pp)
-        between = runs * (terms.ids + (max(micro, waiting) if stage else micro))
+        between = runs * (terms.ids + max(micro, waiting_for_w_bytes(model, plan, work, terms, micro, stage)))
         if between > saved + transient:
             saved, transient = between, 0
         tensors = params + grads + optimizer + saved + transient

@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from frenzy_prefect.memory.analytic import (
-    deferred_weight_grad_bytes,
     estimate,
     in_flight_micro_batch_bytes,
     micro_batch_terms,
     on_device,
     plan_search,
+    waiting_for_w_bytes,
 )
 from frenzy_prefect.pipeline.schedule import Action, Schedule, fused_backwards
 from frenzy_prefect.pipeline.workers import ScheduleInputError, Worker
@@ -82,7 +82,6 @@ def schedule_peaks(
     that GPU (``on_device``)."""
     search = plan_search(model, work, gpu)
     terms, shapes = search.shared(plan)
-    layers = stage_layer_counts(model.layers, plan.pp)
     peaks = {}
     for (pipeline, stage), program in sorted(schedule.programs.items()):
         runs = sum(a.kind == "F" for a in program)
@@ -91,9 +90,8 @@ def schedule_peaks(
         within = search.stage_peaks(plan, (stage,), {stage: (in_flight_peak(schedule, (pipeline, stage)), runs)})[0]
         params, grads, optimizer, _, _ = within
         micro = shapes[stage].micro
-        deferred = micro - (terms.logits if stage == plan.pp - 1 else 0)
-        deferred += deferred_weight_grad_bytes(model, plan.micro_batch, work, layers=layers[stage], stage=stage, pp=plan.pp)
-        between = params + grads + optimizer + runs * terms.ids + held_bytes(program, micro, deferred if stage else micro)
+        waiting = waiting_for_w_bytes(model, plan, work, terms, micro, stage)
+        between = params + grads + optimizer + runs * terms.ids + held_bytes(program, micro, waiting)
         tensors = max(sum(within), between)
         peaks[pipeline, stage] = tensors if gpu is None else on_device(tensors, plan, gpu)
     return peaks

@@ -108,21 +108,28 @@ def _number(path: Path, line: int, column: str, text: str, whole: bool) -> float
 
 def load_trace(path: str | Path) -> list[TraceJob]:
     """An ElasticFlow job trace, in submission order."""
-    path = Path(path)
     integers = ("submission_time", "num_iteration", "deadline", "batch_size", "num_gpu", "duration")
+    jobs = _validated_jobs(Path(path), TraceJob, integers, ("job_id", "model_name"), "job_id", "job ids")
+    return sorted(jobs, key=lambda j: (j.submission_time, j.job_id))
+
+
+def _validated_jobs(path: Path, kind: type[BaseModel], integers: tuple[str, ...], texts: tuple[str, ...], key: str, keys: str) -> list:
+    """Every row of ``path`` as a ``kind``; a row that is not one, or whose ``key`` repeats an
+    earlier row's, fails naming the file and line; a file without rows fails too."""
     jobs, seen = [], {}
-    for line, row in read_rows(path, integers, ("job_id", "model_name")):
+    for line, row in read_rows(path, integers, texts):
         try:
-            job = TraceJob.model_validate(row)
+            job = kind.model_validate(row)
         except ValidationError as exc:
             raise FrenzyError(f"{path}:{line}: {describe_validation_error(exc)}") from None
-        if job.job_id in seen:
-            raise FrenzyError(f"{path}:{line}: column job_id: {job.job_id!r} repeats line {seen[job.job_id]}; job ids must be unique")
-        seen[job.job_id] = line
+        value = getattr(job, key)
+        if value in seen:
+            raise FrenzyError(f"{path}:{line}: column {key}: {value!r} repeats line {seen[value]}; {keys} must be unique")
+        seen[value] = line
         jobs.append(job)
     if not jobs:
         raise FrenzyError(f"{path} holds no jobs")
-    return sorted(jobs, key=lambda j: (j.submission_time, j.job_id))
+    return jobs
 
 
 class SiaJob(BaseModel):
@@ -152,19 +159,7 @@ def is_sia_workload(path: str | Path) -> bool:
 
 def load_sia_workload(path: str | Path) -> list[SiaJob]:
     """A Sia workload, in submission order."""
-    path = Path(path)
-    jobs, seen = [], {}
-    for line, row in read_rows(path, ("time", "num_replicas", "batch_size"), ("name", "application")):
-        try:
-            job = SiaJob.model_validate(row)
-        except ValidationError as exc:
-            raise FrenzyError(f"{path}:{line}: {describe_validation_error(exc)}") from None
-        if job.name in seen:
-            raise FrenzyError(f"{path}:{line}: column name: {job.name!r} repeats line {seen[job.name]}; job names must be unique")
-        seen[job.name] = line
-        jobs.append(job)
-    if not jobs:
-        raise FrenzyError(f"{path} holds no jobs")
+    jobs = _validated_jobs(Path(path), SiaJob, ("time", "num_replicas", "batch_size"), ("name", "application"), "name", "job names")
     return sorted(jobs, key=lambda j: (j.time, j.name))
 
 
