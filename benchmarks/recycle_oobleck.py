@@ -43,7 +43,7 @@ DATA = Path(__file__).parent / "data" / "oobleck_artifact"
 ARTIFACT = DATA / "artifact.json"
 MODELS = {"GPT-3-6_7b": 10.0, "BERT-large": 2.0}  # the artifact's local_rendezvous_timeout_delta, s (see Knobs)
 TRACES = ["6h", "3h", "1h", "30m", "10m", "scale_p3-trace"]
-POLICIES = ["oobleck", "recycle", "adaptive", "checkpoint_restart"]
+POLICIES = ["oobleck", "recycle", "adaptive", "checkpoint_restart", "ceiling"]  # ceiling: free switches, no policy above it
 MICROBATCHES = 16
 COMMIT = "796655600207cfb59fae5804740ff720f7428fc5"  # branch sosp23-artifact when fetched
 

@@ -203,6 +203,44 @@ def test_adaptive_keeps_a_reformed_grid_when_taking_a_joining_node_in_costs_more
     assert [(e.time_s, e.kind, e.grid) for e in rare.events][2] == (245, "reconfigure", "5x6")
 
 
+@pytest.mark.parametrize(("outage_s", "chosen"), [(60.0, "reroute"), (2000.0, "reconfigure")])
+def test_adaptive_weighs_a_failure_over_the_outages_it_has_seen_end(outage_s, chosen):
+    """Re-routing a stage-0 failure (12 s) is slower than re-forming 7 nodes (11.43 s). Over a
+    learnt outage of 60 s, re-routing and a state copy (2 + 10 s) beat a re-form now and one when the
+    node is back (10 + 10 s); over 2,000 s the faster re-formed grid wins. The first outage (a
+    stage-2 failure, cheap to re-route) is what the policy learns the outage from."""
+    model = grid(reroute=lambda f: 10.5 if f[2] else 12.0)
+    join = Knobs().join_delay_s
+    tr = trace(
+        8,
+        (1000, "remove", "node3"),
+        (1000 + outage_s - join, "add", "node3"),
+        (5000, "remove", "node5"),
+        (5000 + outage_s - join, "add", "node5"),
+    )
+    result = run("adaptive", tr, model=model, horizon=9000.0)
+    assert [(e.time_s, e.kind) for e in result.events][:4] == [(0, "start"), (1000, "reroute"), (1000 + outage_s, "rejoin"), (5000, chosen)]
+    others = {p: run(p, tr, model=model, horizon=9000.0).throughput for p in ("recycle", "oobleck")}
+    assert result.throughput >= max(others.values()) * (1 - 1e-9)
+
+
+def test_adaptive_decides_from_the_trace_so_far_never_from_its_future():
+    tr = transient_trace(8, mtbf_s=1500, repair_s=300, horizon_s=6000, seed=3)
+    cut = 3000.0
+    full = run("adaptive", tr, horizon=6000.0)
+    prefix = run("adaptive", FailureTrace(name="t", events=[e for e in tr.events if e.time_s <= cut]), horizon=6000.0)
+    before = [e for e in full.events if e.time_s < cut]
+    assert len(before) > 3 and before == [e for e in prefix.events if e.time_s < cut]
+
+
+def test_the_ceiling_is_above_every_policy_on_a_trace():
+    tr = transient_trace(8, mtbf_s=1500, repair_s=300, horizon_s=6000, seed=1)
+    ceiling = run("ceiling", tr, horizon=6000.0)
+    assert ceiling.downtime_s == 0 and ceiling.lost_samples == 0
+    for policy in POLICIES:
+        assert run(policy, tr, horizon=6000.0).completed_samples <= ceiling.completed_samples
+
+
 def test_a_job_starts_with_whatever_nodes_the_trace_has_first():
     tr = FailureTrace(
         name="t",

@@ -29,7 +29,11 @@ def simulate(
     dp: int = typer.Option(..., "--dp", min=1, help="Data-parallel pipelines."),
     pp: int = typer.Option(..., "--pp", min=1, help="Pipeline stages."),
     microbatches: int = typer.Option(..., "--microbatches", min=1, help="Micro-batches per pipeline per iteration."),
-    policy: str = typer.Option("recycle", "--policy", help="recycle, checkpoint_restart, drop_pipeline, oobleck, bamboo or adaptive."),
+    policy: str = typer.Option(
+        "recycle",
+        "--policy",
+        help="recycle, checkpoint_restart, drop_pipeline, oobleck, bamboo or adaptive; ceiling: free switches, what no policy exceeds.",
+    ),
     step_time_table: Path | None = typer.Option(
         None, "--step-time-table", help='JSON {"alive workers": fault-free step seconds}; default: the throughput model.'
     ),

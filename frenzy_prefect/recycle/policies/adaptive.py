@@ -8,8 +8,13 @@ runtime does), a re-formed grid re-forms again and loses it too (counted as half
 The expected gap is ``Knobs.expected_gap_s``, or learnt from the trace as it arrives: the time
 since the job started over the changes seen so far (the maximum-likelihood mean gap of a Poisson
 process), with no prior constant; before any change, only the steady-state speeds are compared.
-When nodes join a re-formed grid, keeping it as it is (Oobleck's choice) is a third option.
-If a stage's state is lost, both options are restarts from the last checkpoint."""
+
+Once some outage has ended (``recycle.outages``: a lost slot filled again), a failure is weighed
+over the expected outage instead -- the time until the lost slot is back, learnt the same way:
+each option's switch now, its speed for the outage, and the switch that takes the returning node
+in (a state copy on the grid, a re-form from a re-formed grid). Short outages favour re-routing,
+long ones re-forming. When nodes join a re-formed grid, keeping it as it is (Oobleck's choice) is
+a third option. If a stage's state is lost, both options are restarts from the last checkpoint."""
 
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import math
 from typing import ClassVar
 
 from frenzy_prefect.recycle.knobs import Knobs
+from frenzy_prefect.recycle.outages import OutageHistory
 from frenzy_prefect.recycle.policies.base import Decision, Layout, View, from_layout, grid_label, joined_only, reform
 from frenzy_prefect.recycle.policies.recycle import on_grid
 
@@ -35,6 +41,7 @@ class Adaptive:
     def __init__(self) -> None:
         self.layout: Layout | None = None  # None: on the original grid
         self.iteration_s: float | None = None
+        self.outages = OutageHistory()
 
     def _on_grid(self, view: View, state_lost: bool) -> Decision | None:
         m, knobs = view.membership, view.knobs
@@ -66,15 +73,20 @@ class Adaptive:
             )
         return on_grid(view)
 
-    def _score(self, decision: Decision | None, gap: float, on_grid: bool, knobs: Knobs) -> float:
-        """Iterations over this gap and the next: the switch's cost now, then the mode's cost per
-        change (re-routing pays detection, a re-formed grid re-forms again; both redo the
-        interrupted iteration). Without an expected gap: the steady-state rate alone."""
+    def _score(self, decision: Decision | None, gap: float, on_grid: bool, knobs: Knobs, outage: float = math.inf) -> float:
+        """Iterations the option completes. Over a failure's expected ``outage`` when one is known:
+        the switch now, then the switch that takes the node back. Else over this gap and the next:
+        the switch's cost now, then the mode's cost per change (re-routing pays detection, a
+        re-formed grid re-forms again; both redo the interrupted iteration). Without either: the
+        steady-state rate alone."""
         if decision is None or decision.iteration_s is None:
             return float("-inf")
+        lost_in_flight = 0.0 if decision.keep_in_flight or self.iteration_s is None else self.iteration_s / 2
+        if math.isfinite(outage):
+            back = knobs.state_copy_s if on_grid else knobs.oobleck_reconfigure_s
+            return max(0.0, outage - decision.pause_s - lost_in_flight - back) / decision.iteration_s
         if math.isinf(gap):
             return 1 / decision.iteration_s
-        lost_in_flight = 0.0 if decision.keep_in_flight or self.iteration_s is None else self.iteration_s / 2
         now = max(0.0, gap - decision.pause_s - lost_in_flight)
         per_change = knobs.detection_s if on_grid else knobs.oobleck_reconfigure_s
         later = max(0.0, gap - per_change - decision.iteration_s / 2)
@@ -89,6 +101,7 @@ class Adaptive:
         return score >= self._score(reformed, gap, False, view.knobs) and score >= self._score(grid, gap, True, view.knobs)
 
     def react(self, view: View) -> Decision | None:
+        self.outages.observe(view.now, view.changes)
         if not view.slot_changes:
             return None
         m, knobs = view.membership, view.knobs
@@ -108,11 +121,12 @@ class Adaptive:
                 layout,
                 pause_s=knobs.oobleck_reconfigure_s,
                 rollback=False,
-                note="re-formed: faster than re-routing over the expected gap",
+                note="re-formed: faster than re-routing over the expected gap or outage",
             )
         if self.layout is not None and joined_only(view) and self._stays(view, gap, grid, reformed):
             return None  # the new nodes wait for the next change, as Oobleck's do
-        if grid is not None and self._score(grid, gap, True, knobs) >= self._score(reformed, gap, False, knobs):
+        outage = self.outages.expected_s(view.now) if view.lost else math.inf
+        if grid is not None and self._score(grid, gap, True, knobs, outage) >= self._score(reformed, gap, False, knobs, outage):
             chosen, self.layout = grid, None
         else:
             chosen, self.layout = reformed, layout
