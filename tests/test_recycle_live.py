@@ -192,27 +192,47 @@ def assert_restarts_from_the_last_checkpoint(job: TrainingJob, ranks: tuple[int,
     assert metrics_of(job)["losses"] == pytest.approx(losses, rel=1e-5)
 
 
-def test_a_re_route_that_would_not_fit_restarts_from_the_last_checkpoint(dataset, fault_free):
-    """The run's GPUs hold ReCycle's fault-free schedule but not its re-routed one (the job's GPU
-    memory set between the two predictions, as for a plan fitted with recycle_failures 0): when
-    rank 3 (pipeline 1, stage 1) dies, its peer does not take its micro-batches; the survivors stop
-    and torchrun restarts every rank from the last checkpoint, and the run ends with the fault-free
-    losses."""
+def test_a_re_route_that_would_not_fit_runs_with_fewer_micro_batches_in_flight(dataset, fault_free):
+    """The run's GPUs hold ReCycle's fault-free schedule but not the planner's re-routed one (the
+    job's GPU memory set between the two predictions, as for a plan fitted with recycle_failures 0):
+    when rank 3 (pipeline 1, stage 1) dies, its peer takes its micro-batches under the loosest
+    in-flight bound that fits, and the run trains on without a restart, to the fault-free losses and
+    weights. With less memory than one micro-batch in flight needs, the survivors would restart."""
+    from frenzy_prefect.pipeline.costs import StageCosts
     from frenzy_prefect.pipeline.in_flight import schedule_peaks
-    from frenzy_prefect.recycle.fits import ScheduleWouldNotFit, check_fits
+    from frenzy_prefect.recycle.cache import PlanCache
+    from frenzy_prefect.recycle.fits import ScheduleWouldNotFit, fitting_schedule, overflow
     from frenzy_prefect.training.measure import recycle_schedule
 
-    losses, _ = fault_free
-    job = job_of(dataset, "recycle-no-room", max_replacements=0, max_restarts=1, keep_checkpoints=10)
+    losses, weights = fault_free
+    job = job_of(dataset, "recycle-no-room", max_replacements=0, max_restarts=0)
     gpu, micro_batches = job.cluster.gpu_of(job.cluster.nodes[0]), PLAN.accumulation(job.request.global_batch)
     fault_free_schedule, rerouted = (recycle_schedule(PLAN, micro_batches, failed) for failed in ((), ((1, 1),)))
     need = [max(schedule_peaks(NANO, PLAN, job.request.workload, s, gpu).values()) for s in (fault_free_schedule, rerouted)]
     assert need[0] < need[1]
-    job = job.model_copy(update={"allocation": job.allocation.model_copy(update={"gpu_memory_bytes": sum(need) // 2})})
-    check_fits(job, fault_free_schedule)
-    with pytest.raises(ScheduleWouldNotFit, match=r"would need [\d.]+ GiB on the worker of pipeline 0, stage 1, more than"):
-        check_fits(job, rerouted)
-    assert_restarts_from_the_last_checkpoint(job, (3,), losses)
+
+    def with_memory(gpu_memory_bytes: int) -> TrainingJob:
+        return job.model_copy(update={"allocation": job.allocation.model_copy(update={"gpu_memory_bytes": gpu_memory_bytes})})
+
+    def cache() -> PlanCache:
+        return PlanCache(PLAN.dp, PLAN.pp, micro_batches, StageCosts.uniform(PLAN.pp), plan_on_demand=True)
+
+    job = with_memory(sum(need) // 2)
+    assert overflow(job, fault_free_schedule) is None and overflow(job, rerouted) is not None
+    _, in_flight = fitting_schedule(job, cache(), {(1, 1)})
+    assert in_flight is not None and in_flight < micro_batches * 2
+    with pytest.raises(ScheduleWouldNotFit, match=r"would need .* even with one micro-batch in flight per worker"):
+        fitting_schedule(with_memory(job.allocation.margin_bytes + 2**20), cache(), {(1, 1)})
+
+    killed: list[int] = []
+    killer = kill_after_first_checkpoint(job, 3, killed)
+    code, _ = launch(job)
+    killer.join()
+    assert killed and code == 0  # max_restarts 0: a restart would have failed the job
+    metrics = metrics_of(job)
+    assert [(f["kind"], f["ranks"], f["in_flight"]) for f in metrics["failures"]] == [("failed", [3], in_flight)]
+    assert metrics["losses"] == pytest.approx(losses, rel=1e-5)
+    assert_same_weights(_whole_weights(metrics["checkpoint"]), weights)
 
 
 def test_through_the_pool_a_train_llm_run_stays_running_through_a_killed_rank_and_reports_it(stack, worker_pool, dataset):

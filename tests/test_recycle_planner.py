@@ -193,6 +193,19 @@ def test_cache_looks_up_any_failed_set_with_the_same_counts():
         cache.lookup({(0, 1), (1, 1), (2, 1)})
 
 
+def test_the_cache_plans_a_key_again_under_an_in_flight_bound_and_keeps_it():
+    """What the runtime asks for when a plan holds more than a GPU does (recycle.fits)."""
+    costs = costs_from_fault_free_step(1.0, 2, 2, 4)
+    cache = PlanCache(2, 2, 4, costs)
+    free = cache.lookup({(1, 1)})
+    assert max(in_flight_peak(free.plan.schedule, w) for w in free.plan.schedule.programs) == 6
+    tight = cache.lookup({(1, 1)}, in_flight=2)
+    schedule = tight.plan.schedule.relabelled(tight.pipeline_maps)
+    validate(schedule, costs)
+    assert schedule.failed == {(1, 1)} and max(in_flight_peak(schedule, w) for w in schedule.programs) == 2
+    assert cache.lookup({(0, 1)}, in_flight=2).plan is tight.plan and cache.lookup({(1, 1)}).plan is free.plan
+
+
 def test_allreduce_uses_the_live_peers_and_normalises_by_the_global_count():
     costs = StageCosts.uniform(2, gradient_transfer=3.0)
     plan = heuristic.plan(4, 2, 4, (1, 0), costs)

@@ -53,8 +53,9 @@ class PlanCache:
             raise RecycleInputError(f"max_failures must be >= 0, got {max_failures}")
         self.dp, self.pp, self.microbatches, self.max_failures = dp, pp, microbatches, max_failures
         self.plan_on_demand = plan_on_demand
-        self._plan_key = lambda key: planner(planner_name)(dp, pp, microbatches, key, costs, memory_bound)
+        self._plan_key = lambda key, bound=memory_bound: planner(planner_name)(dp, pp, microbatches, key, costs, bound)
         self.plans: dict[FailureKey, Plan] = {key: self._plan_key(key) for key in failure_keys(dp, pp, max_failures)}
+        self.bounded: dict[tuple[FailureKey, int], Plan] = {}  # keys planned again under a tighter in-flight bound
 
     def __len__(self) -> int:
         return len(self.plans)
@@ -75,10 +76,16 @@ class PlanCache:
         IterationTimes takes as ``reroute``."""
         return self.plan(failures_per_stage).iteration_s
 
-    def lookup(self, failed: Iterable[Worker]) -> Lookup:
+    def lookup(self, failed: Iterable[Worker], in_flight: int | None = None) -> Lookup:
         """The plan for these failed (pipeline, stage) workers; NeedsCheckpointRestart when a stage
-        has no live replica, RecycleInputError when the failures exceed what was precomputed."""
+        has no live replica, RecycleInputError when the failures exceed what was precomputed.
+        ``in_flight``: the key planned again with at most that many micro-batches in flight per
+        worker (on first use, then kept), for when the cached plan holds more than a GPU does."""
         failed = frozenset(failed)
         key = normalise(self.dp, self.pp, failed)
         plan = self.plans.get(key) or self.plan(key)
+        if in_flight is not None:
+            if (key, in_flight) not in self.bounded:
+                self.bounded[key, in_flight] = self._plan_key(key, in_flight)
+            plan = self.bounded[key, in_flight]
         return Lookup(key, plan, pipeline_maps(self.dp, failed, key))

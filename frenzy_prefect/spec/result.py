@@ -22,6 +22,11 @@ class SurvivedFailure(BaseModel):
     downtime_s: float = Field(description="From the failure's detection to training again (rejoined: the state copy).")
     tokens_per_s_before: float | None = Field(default=None, description="Over up to 5 steps before, as the writing rank timed them.")
     tokens_per_s_after: float | None = Field(default=None, description="Over up to 5 steps after (the interrupted step excluded).")
+    in_flight: int | None = Field(
+        default=None,
+        description="When the planner's schedule for the ranks left would not fit the GPUs: the most micro-batches each worker "
+        "held in flight under the schedule they ran instead.",
+    )
 
 
 class RankPeak(BaseModel):

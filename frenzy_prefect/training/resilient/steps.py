@@ -19,8 +19,9 @@ of their stage, W's deferred into bubbles; ``recycle.cache``), looked up in mill
   (``max_restarts``). Checkpoints are written by whoever is alive (every stage has a replica).
 - **A re-route that would not fit** in a survivor's GPU (predicted per worker,
   ``recycle.fits``; the allocator fitted the plan for ``recycle_failures`` failed workers in a
-  stage) is not run either: the survivors stop with ScheduleWouldNotFit, saying what it would
-  need, and torchrun restarts every rank from the last checkpoint.
+  stage) is planned again with fewer micro-batches in flight per worker, the most that fit. If
+  not even one fits, the survivors stop with ScheduleWouldNotFit, saying what it would need, and
+  torchrun restarts every rank from the last checkpoint.
 
 Only ZeRO-0 pipelines (dp >= 2, pp >= 2, tp = 1) keep a copy of every stage on other ranks;
 ``spec.layout.check_resilience`` refuses the rest (the allocator chooses among the others).
@@ -40,7 +41,7 @@ from frenzy_prefect.errors import FrenzyError, exception_chain
 from frenzy_prefect.pipeline.costs import StageCosts
 from frenzy_prefect.pipeline.schedule import Schedule
 from frenzy_prefect.recycle.cache import PlanCache
-from frenzy_prefect.recycle.fits import check_fits
+from frenzy_prefect.recycle.fits import fitting_schedule
 from frenzy_prefect.spec.plan import TrainingJob
 from frenzy_prefect.training.data import step_seed
 from frenzy_prefect.training.engine import Engine, MicroBatch
@@ -74,6 +75,7 @@ class RecycleSteps:
         self.microbatches = plan.accumulation(job.request.global_batch)
         self.cache = PlanCache(plan.dp, plan.pp, self.microbatches, StageCosts.uniform(plan.pp), plan_on_demand=True)
         self.rejoins = Log(generation.store, "rejoin")
+        self.in_flight: int | None = None  # the schedule's in-flight bound, when it needed one to fit
         self.schedule = self._schedule()
         self.admitted: list = []
         self.survived, self.current = survived, 0  # the run's record (SurvivedFailure fields), shared with its progress
@@ -84,9 +86,11 @@ class RecycleSteps:
         return {plan.coordinates(r)[1::-1] for r in range(plan.gpus) if r not in self.generation.members}
 
     def _schedule(self) -> Schedule:
-        found = self.cache.lookup(self._failed_workers())  # NeedsCheckpointRestart when a stage has no replica left
-        schedule = found.plan.schedule.relabelled(found.pipeline_maps)
-        check_fits(self.job, schedule)  # ScheduleWouldNotFit: more failures than the plan was fitted for
+        # NeedsCheckpointRestart when a stage has no replica left; ScheduleWouldNotFit when not even
+        # one micro-batch in flight per worker fits (more failures than the plan was fitted for)
+        schedule, self.in_flight = fitting_schedule(self.job, self.cache, self._failed_workers())
+        if self.in_flight is not None:
+            self.log(f"the planner's schedule would not fit the GPUs: at most {self.in_flight} micro-batch(es) in flight per worker")
         return schedule
 
     def step(self, step: int, batches: Callable[[int], list[MicroBatch]], progress: Callable[[], dict]) -> float:
@@ -171,7 +175,8 @@ class RecycleSteps:
     def record(self, kind: str, ranks: list[int], downtime_s: float) -> None:
         """Add a failure survived or a rejoin, at the current step, to the run's record."""
         at = datetime.now(UTC).isoformat(timespec="milliseconds")
-        self.survived.append({"at": at, "step": self.current, "kind": kind, "ranks": ranks, "downtime_s": round(downtime_s, 4)})
+        entry = {"at": at, "step": self.current, "kind": kind, "ranks": ranks, "downtime_s": round(downtime_s, 4)}
+        self.survived.append(entry | ({"in_flight": self.in_flight} if self.in_flight is not None else {}))
 
 
 def without_frames(exc: BaseException) -> BaseException:
