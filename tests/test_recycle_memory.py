@@ -20,10 +20,12 @@ pytestmark = pytest.mark.recycle_memory
 WITHIN = 0.05
 
 
-def _measured_and_predicted(preset: str, dp: int, pp: int, microbatches: int, failed: tuple) -> tuple[dict, dict, ParallelPlan, Workload]:
+def _measured_and_predicted(
+    preset: str, dp: int, pp: int, microbatches: int, failed: tuple, precision: str = "fp32"
+) -> tuple[dict, dict, ParallelPlan, Workload]:
     model = PRESETS[preset]
     plan = ParallelPlan(dp=dp, pp=pp, micro_batch=1)
-    work = Workload(global_batch=dp * microbatches, seq_len=64, precision="fp32")
+    work = Workload(global_batch=dp * microbatches, seq_len=64, precision=precision)
     measured = {r.rank: r.breakdown.total for r in measure(Measurement(model=model, plan=plan, work=work, recycle_failed=failed))}
     predicted = schedule_peaks(model, plan, work, recycle_schedule(plan, microbatches, failed))
     by_worker = {(p, s): measured[plan.rank_of(s, p, 0)] for p, s in predicted}
@@ -31,17 +33,22 @@ def _measured_and_predicted(preset: str, dp: int, pp: int, microbatches: int, fa
 
 
 @pytest.mark.parametrize(
-    ("preset", "dp", "pp", "microbatches", "failed", "rerouted"),
+    ("preset", "dp", "pp", "microbatches", "failed", "rerouted", "precision"),
     [
-        ("gpt-nano", 2, 2, 4, (), None),
-        ("gpt-nano", 2, 2, 4, ((1, 1),), (0, 1)),  # the last stage takes its failed peer's micro-batches
-        ("gpt-nano", 2, 3, 6, ((1, 2),), (0, 2)),
-        ("llama-nano", 2, 2, 4, ((1, 1),), (0, 1)),  # RMSNorm, SwiGLU, grouped-query attention, untied
+        ("gpt-nano", 2, 2, 4, (), None, "fp32"),
+        ("gpt-nano", 2, 2, 4, ((1, 1),), (0, 1), "fp32"),  # the last stage takes its failed peer's micro-batches
+        ("gpt-nano", 2, 3, 6, ((1, 2),), (0, 2), "fp32"),
+        ("llama-nano", 2, 2, 4, ((1, 1),), (0, 1), "fp32"),  # RMSNorm, SwiGLU, grouped-query attention, untied
+        # bf16 weights: the deferred W's projection gradients in the compute dtype, the norms' in fp32
+        ("gpt-nano", 2, 2, 4, ((1, 1),), (0, 1), "bf16"),
+        ("llama-nano", 2, 2, 4, ((1, 1),), (0, 1), "bf16"),
     ],
-    ids=["gpt-pp2-fault-free", "gpt-pp2-last-failed", "gpt-pp3-last-failed", "llama-pp2-last-failed"],
+    ids=["gpt-pp2-fault-free", "gpt-pp2-last-failed", "gpt-pp3-last-failed", "llama-pp2-last-failed", "gpt-bf16", "llama-bf16"],
 )
-def test_every_workers_peak_under_recycles_schedule_is_predicted_within_5_percent(preset, dp, pp, microbatches, failed, rerouted):
-    measured, predicted, plan, work = _measured_and_predicted(preset, dp, pp, microbatches, failed)
+def test_every_workers_peak_under_recycles_schedule_is_predicted_within_5_percent(
+    preset, dp, pp, microbatches, failed, rerouted, precision
+):
+    measured, predicted, plan, work = _measured_and_predicted(preset, dp, pp, microbatches, failed, precision)
     assert len(predicted) == plan.gpus - len(failed)  # every live worker runs something
     for worker, bytes_ in predicted.items():
         assert bytes_ == pytest.approx(measured[worker], rel=WITHIN), (worker, bytes_, measured[worker])
