@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from frenzy_prefect.pipeline.builder import one_f_one_b
 from frenzy_prefect.pipeline.costs import StageCosts
-from frenzy_prefect.pipeline.in_flight import in_flight_bound, in_flight_peak
+from frenzy_prefect.pipeline.in_flight import in_flight_peak
 from frenzy_prefect.pipeline.schedule import Action, ActionKind, parse_action
 from frenzy_prefect.pipeline.timeline import ScheduleDeadlock, iteration_s, run_timeline, steady_state_period_s
 from frenzy_prefect.pipeline.validate import InvalidSchedule, validate, violations
@@ -159,15 +159,6 @@ def test_pipeline_maps_send_canonical_failures_to_actual_ones():
     maps = pipeline_maps(4, frozenset({(0, 1), (2, 1)}), key)
     assert {(maps[s][p], s) for p, s in canonical_failed(4, key)} == {(0, 1), (2, 1)}
     assert all(sorted(m) == [0, 1, 2, 3] for m in maps)
-
-
-def test_in_flight_bound_from_marp():
-    model, plan = PRESETS["gpt2-medium"], ParallelPlan(dp=2, pp=4, micro_batch=2)
-    work = Workload(global_batch=64, seq_len=1024, precision="bf16")
-    roomy = in_flight_bound(model, plan, work, GPU_CATALOG["H200"])
-    tight = in_flight_bound(model, plan, work, GPU_CATALOG["T4"])
-    assert len(roomy) == 4 and all(r > t >= 0 for r, t in zip(roomy, tight, strict=True))
-    assert roomy[0] >= 4  # an H200 holds at least 1F1B's pp micro-batches of a 350M model
 
 
 # --- the validator rejects broken schedules --------------------------------------------------------

@@ -1,4 +1,4 @@
-"""How many micro-batches a worker may hold in flight, from MARP, and how many a schedule holds.
+"""How many micro-batches a worker holds in flight under a schedule, and what that makes its peak (MARP per worker).
 
 In flight on a worker: a micro-batch whose F ran there and whose W has not yet. Zero Bubble's
 split keeps the stage's inputs (and the activations W needs) until W, so W, not B, frees it;
@@ -10,9 +10,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from frenzy_prefect.memory.analytic import (
-    estimate,
-    in_flight_micro_batch_bytes,
-    micro_batch_terms,
     on_device,
     plan_search,
     waiting_for_w_bytes,
@@ -20,7 +17,6 @@ from frenzy_prefect.memory.analytic import (
 from frenzy_prefect.pipeline.schedule import Action, Schedule, fused_backwards
 from frenzy_prefect.pipeline.workers import ScheduleInputError, Worker
 from frenzy_prefect.spec.gpu import GpuType
-from frenzy_prefect.spec.layout import stage_layer_counts
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import ParallelPlan
 from frenzy_prefect.spec.workload import Workload
@@ -48,21 +44,6 @@ def in_flight_peak(schedule: Schedule, worker: Worker) -> int:
         elif a.kind == "W":
             held -= 1
     return peak
-
-
-def in_flight_bound(model: ModelSpec, plan: ParallelPlan, work: Workload, gpu: GpuType) -> list[int]:
-    """Per stage, how many micro-batches fit in flight on one GPU: the GPU's memory less everything
-    MARP's estimate puts there besides saved activations (model states, transients, runtime
-    overhead) and the step's token ids, divided by one in-flight micro-batch's bytes."""
-    memory = estimate(model, plan, work, gpu=gpu)
-    terms = micro_batch_terms(model, plan.tp, plan.micro_batch, plan.recompute, work)
-    ids = plan.accumulation(work.global_batch) * terms.ids
-    layers = stage_layer_counts(model.layers, plan.pp)
-    bounds = []
-    for stage, b in enumerate(memory.per_stage):
-        free = gpu.memory_bytes - (b.total - b.activations) - ids
-        bounds.append(max(0, free // in_flight_micro_batch_bytes(terms, plan, layers=layers[stage], stage=stage)))
-    return bounds
 
 
 def schedule_peaks(
