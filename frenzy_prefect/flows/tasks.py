@@ -240,7 +240,8 @@ def _survived_rows(result: TrainingResult) -> list[dict[str, str]]:
         {
             "when": f.at,
             "step": str(f.step),
-            "what": f"rank(s) {', '.join(map(str, f.ranks))} {f.kind}",
+            "what": f"rank(s) {', '.join(map(str, f.ranks))} {f.kind}"
+            + (f" (to fit: at most {f.in_flight} micro-batch(es) in flight per worker)" if f.in_flight is not None else ""),
             "downtime": f"{f.downtime_s:.2f} s",
             "tokens/s before": rate(f.tokens_per_s_before),
             "tokens/s after": rate(f.tokens_per_s_after),
