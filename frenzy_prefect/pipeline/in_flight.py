@@ -9,11 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from frenzy_prefect.memory.analytic import (
-    on_device,
-    plan_search,
-    waiting_for_w_bytes,
-)
+from frenzy_prefect.memory.analytic import on_device, plan_search, waiting_for_w_bytes
 from frenzy_prefect.pipeline.schedule import Action, Schedule, fused_backwards
 from frenzy_prefect.pipeline.workers import ScheduleInputError, Worker
 from frenzy_prefect.spec.gpu import GpuType

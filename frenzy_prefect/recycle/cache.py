@@ -83,9 +83,8 @@ class PlanCache:
         worker (on first use, then kept), for when the cached plan holds more than a GPU does."""
         failed = frozenset(failed)
         key = normalise(self.dp, self.pp, failed)
-        plan = self.plans.get(key) or self.plan(key)
-        if in_flight is not None:
-            if (key, in_flight) not in self.bounded:
-                self.bounded[key, in_flight] = self._plan_key(key, in_flight)
-            plan = self.bounded[key, in_flight]
+        if in_flight is None:
+            plan = self.plans.get(key) or self.plan(key)
+        elif (plan := self.bounded.get((key, in_flight))) is None:
+            plan = self.bounded[key, in_flight] = self._plan_key(key, in_flight)
         return Lookup(key, plan, pipeline_maps(self.dp, failed, key))

@@ -57,19 +57,18 @@ def fitting_schedule(job: TrainingJob, cache: PlanCache, failed: Iterable[Worker
         return found.plan.schedule.relabelled(found.pipeline_maps)
 
     unbounded = schedule(None)
-    if overflow(job, unbounded) is None:
+    short = overflow(job, unbounded)
+    if short is None:
         return unbounded, None
     best: tuple[Schedule, int] | None = None
     low, high = 1, max(in_flight_peak(unbounded, w) for w in unbounded.programs) - 1
-    while low <= high:
+    while low <= high:  # when no bound fits, the last one tried is 1
         middle = (low + high) // 2
         candidate = schedule(middle)
-        if overflow(job, candidate) is None:
+        if (why := overflow(job, candidate)) is None:
             best, low = (candidate, middle), middle + 1
         else:
-            high = middle - 1
+            short, high = why, middle - 1
     if best is None:
-        if (short := overflow(job, one := schedule(1))) is not None:
-            raise ScheduleWouldNotFit(f"{short}, even with one micro-batch in flight per worker: restarting from the last checkpoint")
-        best = (one, 1)
+        raise ScheduleWouldNotFit(f"{short}, even with one micro-batch in flight per worker: restarting from the last checkpoint")
     return best
