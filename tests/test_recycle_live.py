@@ -30,7 +30,8 @@ pytestmark = [pytest.mark.recycle_live, pytest.mark.faults]  # every test kills 
 
 GRID = [Placement(node="n0", host="127.0.0.1", gpus=[0, 1, 2, 3])]
 PLAN = ParallelPlan(dp=2, pp=2, micro_batch=2)  # global batch 16: 4 micro-batches per pipeline
-RUN = {"steps": 40, "checkpoint_every": 4, "keep_checkpoints": 1, "resilience": "recycle", "log_every": 1}
+# replan_after_s None: these tests prove re-routing (test_a_rank_away... the re-plan)
+RUN = {"steps": 40, "checkpoint_every": 4, "keep_checkpoints": 1, "resilience": "recycle", "log_every": 1, "replan_after_s": None}
 
 
 def job_of(dataset: str, name: str, **request) -> TrainingJob:
@@ -40,6 +41,16 @@ def job_of(dataset: str, name: str, **request) -> TrainingJob:
 def metrics_of(job: TrainingJob) -> dict:
     with open_uri(job.metrics_uri, "r") as f:
         return json.load(f)
+
+
+def is_supervisor(proc: psutil.Process, rank: int) -> bool:
+    """``proc`` is ``rank``'s supervisor: the process torchrun started for it (the trainers'
+    parent, without an incarnation)."""
+    try:
+        env, argv = proc.environ(), " ".join(proc.cmdline())
+        return env.get("RANK") == str(rank) and INCARNATION_ENV not in env and "training.entry" in argv and "orphan_guard" not in argv
+    except psutil.Error:
+        return False
 
 
 def is_trainer(proc: psutil.Process, rank: int, incarnation: int) -> bool:
@@ -232,6 +243,58 @@ def test_a_re_route_that_would_not_fit_runs_with_fewer_micro_batches_in_flight(d
     metrics = metrics_of(job)
     assert [(f["kind"], f["ranks"], f["in_flight"]) for f in metrics["failures"]] == [("failed", [3], in_flight)]
     assert metrics["losses"] == pytest.approx(losses, rel=1e-5)
+    assert_same_weights(_whole_weights(metrics["checkpoint"]), weights)
+
+
+def test_a_rank_away_past_the_horizon_leads_the_live_ranks_to_re_plan_smaller_and_its_return_back(dataset, fault_free):
+    """Rank 3's node goes away: its trainer is killed and its supervisor stopped, so no replacement
+    comes and only the agent's heartbeat watcher declares it dead. The three live ranks re-route,
+    then (replan_after_s 0: at the first commit point) re-plan to dp 1 x pp 3, predicted faster,
+    from a checkpoint. When a checkpoint of that plan exists the node returns (the supervisor
+    continues and starts a replacement), which is absorbed as the run's own dp 2 x pp 2 resumes
+    from a checkpoint. The run ends without a restart (max_restarts 0), on its own plan, with the
+    fault-free run's losses and weights (summation order aside): every plan trains on the same
+    global batch at each step."""
+    from frenzy_prefect.training.manifest import intact_checkpoints
+
+    losses, weights = fault_free
+    job = job_of(dataset, "recycle-replan", max_replacements=1, max_restarts=0, checkpoint_every=2, replan_after_s=0)
+    smaller = ParallelPlan(dp=1, pp=3, micro_batch=PLAN.micro_batch)
+    stopped: list[psutil.Process] = []
+
+    def newest_plan() -> ParallelPlan | None:
+        found = next(intact_checkpoints(job.checkpoint_uri), None)
+        return found[1].plan if found else None
+
+    def away_until_replanned() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not stopped:
+            supervisor = next((p for p in psutil.Process().children(recursive=True) if is_supervisor(p, 3)), None)
+            if newest_plan() is not None and supervisor is not None and (trainer := trainer_of(3, 0)) is not None:
+                supervisor.send_signal(signal.SIGSTOP)
+                stopped.append(supervisor)
+                trainer.send_signal(signal.SIGKILL)
+            time.sleep(0.05)
+        while time.monotonic() < deadline and newest_plan() != smaller:
+            time.sleep(0.1)
+        for supervisor in stopped:
+            supervisor.send_signal(signal.SIGCONT)
+
+    node = threading.Thread(target=away_until_replanned)
+    node.start()
+    try:
+        code, _ = launch(job)
+    finally:
+        for supervisor in stopped:  # (a failed launch must not leave it stopped)
+            if supervisor.is_running():
+                supervisor.send_signal(signal.SIGCONT)
+        node.join()
+    assert stopped and code == 0
+    metrics = metrics_of(job)
+    changes = [(f["kind"], f["ranks"], f.get("plan")) for f in metrics["failures"]]
+    assert changes == [("failed", [3], None), ("replanned", [0, 1, 2], smaller.label()), ("rejoined", [3], PLAN.label())], changes
+    assert metrics["losses"] == pytest.approx(losses, rel=1e-5)
+    assert newest_plan() == PLAN
     assert_same_weights(_whole_weights(metrics["checkpoint"]), weights)
 
 

@@ -241,7 +241,8 @@ def _survived_rows(result: TrainingResult) -> list[dict[str, str]]:
             "when": f.at,
             "step": str(f.step),
             "what": f"rank(s) {', '.join(map(str, f.ranks))} {f.kind}"
-            + (f" (to fit: at most {f.in_flight} micro-batch(es) in flight per worker)" if f.in_flight is not None else ""),
+            + (f" (to fit: at most {f.in_flight} micro-batch(es) in flight per worker)" if f.in_flight is not None else "")
+            + (f", on {f.plan}" if f.plan is not None else ""),
             "downtime": f"{f.downtime_s:.2f} s",
             "tokens/s before": rate(f.tokens_per_s_before),
             "tokens/s after": rate(f.tokens_per_s_after),
@@ -291,7 +292,7 @@ def report(job: TrainingJob, result: TrainingResult, training_flow_run: str) -> 
     )
     if result.failures:
         create_table_artifact(
-            key="failures-survived", table=_survived_rows(result), description="Rank failures trained through, and rejoins"
+            key="failures-survived", table=_survived_rows(result), description="Rank failures trained through, re-plans and rejoins"
         )
     a = job.allocation
     create_markdown_artifact(

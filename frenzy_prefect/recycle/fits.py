@@ -21,6 +21,7 @@ from frenzy_prefect.pipeline.schedule import Schedule
 from frenzy_prefect.pipeline.workers import Worker
 from frenzy_prefect.recycle.cache import PlanCache
 from frenzy_prefect.recycle.failures import RecycleInputError
+from frenzy_prefect.spec.gpu import GpuType
 from frenzy_prefect.spec.plan import TrainingJob
 from frenzy_prefect.units import gib
 
@@ -30,11 +31,15 @@ class ScheduleWouldNotFit(RecycleInputError):
     only a restart from a checkpoint (every rank back, the fault-free schedule) can go on."""
 
 
+def run_gpu(job: TrainingJob) -> GpuType:
+    """The GPU type the run was allocated."""
+    return next(job.cluster.gpu_of(n) for n in job.cluster.nodes if n.gpu_type == job.allocation.gpu_type)
+
+
 def overflow(job: TrainingJob, schedule: Schedule) -> str | None:
     """What ``schedule`` would need beyond the run's GPU memory, naming the worker and both
     figures; None when it fits."""
-    allocation = job.allocation
-    gpu = next(job.cluster.gpu_of(n) for n in job.cluster.nodes if n.gpu_type == allocation.gpu_type)
+    allocation, gpu = job.allocation, run_gpu(job)
     budget = allocation.gpu_memory_bytes - allocation.margin_bytes
     peaks = schedule_peaks(job.model, allocation.plan, job.request.workload, schedule, gpu)
     (pipeline, stage), peak = max(peaks.items(), key=lambda item: item[1])

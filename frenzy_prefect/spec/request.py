@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
 from frenzy_prefect.spec.dataset import Preparation
 from frenzy_prefect.spec.names import NOT_BLANK_SCHEMA, named, refuse_blank
@@ -134,6 +134,14 @@ class TrainingRequest(BaseModel):
     max_replacements: NonNegativeInt = Field(
         default=3,
         description="Resilience 'recycle': how many times a failed rank's trainer is started again to rejoin (0: train on without it).",
+    )
+    replan_after_s: NonNegativeFloat | Literal["auto"] | None = Field(
+        default="auto",
+        description=(
+            "Resilience 'recycle': how long a failed rank may stay away before the live ranks re-plan to a smaller layout "
+            "over themselves from a checkpoint, when one is predicted faster than re-routing ('auto': once re-routing has "
+            "lost what switching there and back costs; None: re-route until it returns). A returning rank is absorbed."
+        ),
     )
 
     @model_validator(mode="after")

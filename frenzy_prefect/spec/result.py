@@ -11,15 +11,19 @@ from frenzy_prefect.spec.plan import Allocation
 
 class SurvivedFailure(BaseModel):
     """A change of the ranks a run trained through without a restart (resilience 'recycle'): ranks
-    that failed (their stage's peers took their micro-batches) or rejoined."""
+    that failed (their stage's peers took their micro-batches), a re-plan of the live ranks to a
+    smaller layout from a checkpoint, or ranks that rejoined (and, after a re-plan, the run's own
+    plan resumed from a checkpoint)."""
 
     model_config = ConfigDict(frozen=True)
 
     at: str = Field(description="When the survivors had re-formed (UTC, ISO 8601).")
-    step: int = Field(description="The step that was interrupted and run again, or (rejoined) the first step with the ranks back.")
-    kind: Literal["failed", "rejoined"]
-    ranks: list[int]
-    downtime_s: float = Field(description="From the failure's detection to training again (rejoined: the state copy).")
+    step: int = Field(description="The step that was interrupted and run again, or (replanned, rejoined) the first step after the change.")
+    kind: Literal["failed", "replanned", "rejoined"]
+    ranks: list[int] = Field(description="The ranks that failed or rejoined; replanned: the ranks of the smaller layout.")
+    downtime_s: float = Field(
+        description="From the failure's detection to training again (rejoined: the state copy; replanned: the switch)."
+    )
     tokens_per_s_before: float | None = Field(default=None, description="Over up to 5 steps before, as the writing rank timed them.")
     tokens_per_s_after: float | None = Field(default=None, description="Over up to 5 steps after (the interrupted step excluded).")
     in_flight: int | None = Field(
@@ -27,6 +31,7 @@ class SurvivedFailure(BaseModel):
         description="When the planner's schedule for the ranks left would not fit the GPUs: the most micro-batches each worker "
         "held in flight under the schedule they ran instead.",
     )
+    plan: str | None = Field(default=None, description="Replanned, or rejoined after a re-plan: the plan trained from this step.")
 
 
 class RankPeak(BaseModel):

@@ -65,6 +65,7 @@ class Progress:
     every: int  # steps between checkpoints
     last_saved: int  # the last checkpoint's step, or the step before this attempt's first
     final: str | None = None  # the last checkpoint's URI
+    save_s: float | None = None  # how long the last checkpoint took to write
     survived: list[dict] = field(default_factory=list)  # failures and rejoins trained through (SurvivedFailure's fields)
 
     @classmethod
@@ -72,7 +73,8 @@ class Progress:
         first = resumed.step + 1 if resumed else 1
         final = manifest.step_uri(job.checkpoint_uri, resumed.step) if resumed else None
         # By default the interval is measured at this attempt's first step, then at each checkpoint.
-        return cls(first, list(resumed.losses) if resumed else [], job.request.checkpoint_every or 1, first - 1, final)
+        every = job.request.checkpoint_every or 1
+        return cls(first, list(resumed.losses) if resumed else [], every, first - 1, final, resumed.save_s if resumed else None)
 
 
 def train(job: TrainingJob, ctx: DistributedContext, log: Callable[[str], None] = print, notify: Notify | None = None) -> TrainingResult:
@@ -102,7 +104,7 @@ def train(job: TrainingJob, ctx: DistributedContext, log: Callable[[str], None] 
 
         first = progress.next_step
         with closing(together(ctx, lambda: TokenWindows(job.dataset, request.seq_len))) as data:
-            timings = run_steps(job, ctx, engine, data, progress, run_step, log, notify)
+            timings = run_steps(job, ctx, lambda: engine, data, progress, run_step, log, notify)
         return write_result(job, ctx, progress, first, timings, started)
     finally:
         dist.destroy_process_group()
@@ -200,7 +202,7 @@ def resume(job: TrainingJob, engine: Engine, log: Callable[[str], None]) -> mani
 def run_steps(
     job: TrainingJob,
     ctx: DistributedContext,
-    engine: Engine,
+    engine: Callable[[], Engine],
     data: TokenWindows,
     progress: Progress,
     run_step: StepRunner,
@@ -210,7 +212,8 @@ def run_steps(
 ) -> dict[str, list[float]]:
     """The steps from ``progress`` on, with periodic checkpoints, each step's loss (averaged over
     the ranks) and checkpoint kept in ``progress``; returns this rank's wall times of each step
-    and each checkpoint. ``survive(action, step, skipped)`` runs a checkpoint (the resilient
+    and each checkpoint. ``engine()``: the engine of the moment (the resilient trainer's changes
+    when it re-plans). ``survive(action, step, skipped)`` runs a checkpoint (the resilient
     trainer: again, after a failure interrupts it)."""
     request = job.request
     tokens_per_step = request.global_batch * request.seq_len
@@ -234,7 +237,7 @@ def run_steps(
             notify("step", {"step": step, "steps": request.steps, "loss": progress.losses[-1]})
         if step - progress.last_saved >= progress.every or step == request.steps:
             final, save_s, interval = survive(
-                lambda: _checkpoint(job, ctx, engine, step, progress.losses, timings),  # noqa: B023 (called at once)
+                lambda: _checkpoint(job, ctx, engine(), step, progress.losses, timings),  # noqa: B023 (called at once)
                 step,
                 lambda: (manifest.step_uri(job.checkpoint_uri, step), 0.0, None),  # noqa: B023 (written before a failure)
             )
@@ -242,6 +245,7 @@ def run_steps(
             if interval is not None and interval != progress.every:
                 log(f"checkpointing every {interval} steps (a checkpoint takes {save_s:.2f} s)")
             progress.every, progress.last_saved, progress.final = interval or progress.every, step, final
+            progress.save_s = save_s or progress.save_s  # (0: taken from a survivor that wrote it)
             timings["checkpoint"].append(save_s)
             if reports:
                 notify("checkpointed", {"step": step, "checkpoint": final, "seconds": save_s})

@@ -14,6 +14,8 @@ the job's store (the agent hosts it, so a dead trainer cannot take it along):
   so every member sees the same outcome). Committed: every member steps its optimizer; the
   decision also names the replacement ranks admitted at this boundary (``admitting``). Aborted:
   no member stepped, and the survivors run the whole iteration again on the adapted schedule.
+  Without replacements to admit, the decision may also be to re-plan to a smaller layout
+  (``steps.py``), from the next step.
   The commit point is why a failure never leaves the stages at different iterations; it costs
   ReCycle's staggered optimizer steps their overlap (the last stage waits for the first before
   stepping).
@@ -24,8 +26,10 @@ from __future__ import annotations
 import gc
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -39,6 +43,13 @@ GROUP_TIMEOUT = timedelta(seconds=60)  # no survivor waits longer in a collectiv
 ABORT = "abort"
 FINISHED = "finished"  # the run's result (JSON), set by the lowest member at the end, for whoever still waits
 Position = tuple[int, int]  # (step, phase): where a member was in the run (phase 0: the step, 1: its checkpoint)
+
+
+class Decision(NamedTuple):
+    """What the members do after a committed step: admit these replacements, or re-plan."""
+
+    admitted: list[Incarnation]
+    replan: bool
 
 
 class Interrupted(Exception):
@@ -89,14 +100,15 @@ class Generation:
             pause = min(2 * pause, 0.005)
         return self.store.get(key).decode()
 
-    def commit(self, step: int, rejoins: Log) -> list[Incarnation]:
-        """Arrive at ``step``'s commit point; returns the replacements admitted after it, or raises
-        Interrupted. The last member to arrive reads the rejoin requests for everyone."""
+    def commit(self, step: int, rejoins: Log, replan: Callable[[], bool] = lambda: False) -> Decision:
+        """Arrive at ``step``'s commit point; returns what the members do after it, or raises
+        Interrupted. The last member to arrive decides for everyone: it reads the rejoin
+        requests and, when there are none, asks ``replan()``."""
         key, before = f"g{self.number}/decision/{step}", rejoins.read
         if self.store.add(f"g{self.number}/commit/{step}", 1) == len(self.members):
             self._dead_members()  # (brings self.dead up to date: a replacement may have died waiting)
             fresh = [i for i in rejoins.new() if i[0] not in self.members and i not in self.dead]
-            proposal = json.dumps({"read": rejoins.read, "admit": [list(i) for i in fresh]})
+            proposal = json.dumps({"read": rejoins.read, "admit": [list(i) for i in fresh], "replan": not fresh and replan()})
             decision = self.store.compare_set(key, "", proposal).decode()
         else:
             decision = self._decided(key)
@@ -105,7 +117,7 @@ class Generation:
             raise Interrupted(f"step {step} was interrupted by a failure")
         agreed = json.loads(decision)
         rejoins.read = agreed["read"]
-        return [tuple(i) for i in agreed["admit"]]
+        return Decision([tuple(i) for i in agreed["admit"]], agreed["replan"])
 
     def abort(self, step: int) -> None:
         """Decide ``step`` aborted, unless it was decided already (this member met a failure)."""

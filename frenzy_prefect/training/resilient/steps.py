@@ -14,6 +14,13 @@ of their stage, W's deferred into bubbles; ``recycle.cache``), looked up in mill
   join; the next commit point admits it, the members form the next generation with it, a live
   replica of its stage sends it the stage's state (``peer_state.py``), and the fault-free
   schedule returns from the next step.
+- **A rank away for long** (``recycle.replan``): once a smaller layout over the live ranks is
+  predicted faster than re-routing and the missing ranks have been away past the horizon, a
+  commit point decides to re-plan; from the next step the members write the checkpoint of the
+  step they committed and train the smaller plan, resumed from it (DCP reshards). A replacement
+  that arrives after is admitted as the run's own plan resumes, from the checkpoint of the last
+  committed step. A failure in a layout that cannot re-route (one pipeline, or one stage), or
+  during a switch, restarts every rank from the last checkpoint.
 - **A stage with no live replica** cannot be re-routed: the survivors stop with
   NeedsCheckpointRestart and torchrun restarts every rank from the last checkpoint
   (``max_restarts``). Checkpoints are written by whoever is alive (every stage has a replica).
@@ -41,14 +48,18 @@ from frenzy_prefect.errors import FrenzyError, exception_chain
 from frenzy_prefect.pipeline.costs import StageCosts
 from frenzy_prefect.pipeline.schedule import Schedule
 from frenzy_prefect.recycle.cache import PlanCache
+from frenzy_prefect.recycle.failures import NeedsCheckpointRestart
 from frenzy_prefect.recycle.fits import fitting_schedule
-from frenzy_prefect.spec.plan import TrainingJob
+from frenzy_prefect.recycle.replan import Replan, smaller_layout
+from frenzy_prefect.spec.plan import ParallelPlan, TrainingJob
+from frenzy_prefect.training import checkpoint
 from frenzy_prefect.training.data import step_seed
 from frenzy_prefect.training.engine import Engine, MicroBatch
+from frenzy_prefect.training.manifest import latest
 from frenzy_prefect.training.resilient.generations import Generation, Interrupted, Position
 from frenzy_prefect.training.resilient.liveness import Log
 from frenzy_prefect.training.resilient.peer_state import share_stage_state
-from frenzy_prefect.training.trainer import Notify
+from frenzy_prefect.training.trainer import Notify, Progress
 
 T = TypeVar("T")
 STEP, CHECKPOINT = 0, 1  # the phases of a step (Position)
@@ -58,7 +69,11 @@ class RecycleSteps:
     """This rank's steps under ReCycle. ``step(n, batches, progress)`` runs step n to its optimizer
     update, through any failure, and returns the mean loss; ``batches(replica)`` gives a replica's
     micro-batches of that step (the rank reads other replicas' when it runs their work). The
-    planner's schedules come from uniform stage costs: they decide only the order of the work."""
+    planner's schedules come from uniform stage costs: they decide only the order of the work.
+
+    ``job`` and ``engine`` are those of the plan trained now: the run's own, or after a re-plan a
+    smaller one, whose rank r is held by global rank ``ranks[r]``. ``build(job, rank, live)``
+    builds an engine; ``save(step)`` writes step's checkpoint unless it is written."""
 
     def __init__(
         self,
@@ -67,39 +82,67 @@ class RecycleSteps:
         generation: Generation,
         notify: Notify,
         log: Callable[[str], None],
-        survived: list[dict],
+        progress: Progress,
         agree: Callable[[int], None],
+        build: Callable[[TrainingJob, int, list[int]], Engine],
+        save: Callable[[int], None],
     ) -> None:
-        plan = job.allocation.plan
-        self.job, self.engine, self.generation, self.notify, self.log = job, engine, generation, notify, log
-        self.microbatches = plan.accumulation(job.request.global_batch)
-        self.cache = PlanCache(plan.dp, plan.pp, self.microbatches, StageCosts.uniform(plan.pp), plan_on_demand=True)
+        self.own_job, self.job, self.engine, self.generation = job, job, engine, generation
+        self.own_ranks = list(range(job.allocation.plan.gpus))
+        self.ranks = self.own_ranks
+        self.notify, self.log, self.progress, self.agree, self.build, self.save = notify, log, progress, agree, build, save
         self.rejoins = Log(generation.store, "rejoin")
         self.in_flight: int | None = None  # the schedule's in-flight bound, when it needed one to fit
+        self.cache = self._cache()
         self.schedule = self._schedule()
         self.admitted: list = []
-        self.survived, self.current = survived, 0  # the run's record (SurvivedFailure fields), shared with its progress
-        self.agree = agree  # after a recovery: (collective) take the trainer's progress from the given group rank
+        self.replanning = False  # the last commit decided to re-plan from the next step
+        self.away_since: float | None = None  # since when (monotonic) the plan has missed ranks
+        self.replan: Replan | None = None  # the smaller layout to re-plan to, while ranks are missing
+        self.survived, self.current = progress.survived, 0  # the run's record (SurvivedFailure fields)
+
+    @property
+    def plan(self) -> ParallelPlan:
+        return self.job.allocation.plan
+
+    def _cache(self) -> PlanCache | None:
+        """ReCycle's plans for the plan trained now; None where it cannot re-route (a re-plan's
+        smaller layout may have one pipeline or one stage)."""
+        plan = self.plan
+        if plan.dp < 2 or plan.pp < 2:
+            return None
+        micro_batches = plan.accumulation(self.job.request.global_batch)
+        return PlanCache(plan.dp, plan.pp, micro_batches, StageCosts.uniform(plan.pp), plan_on_demand=True)
+
+    def _live(self) -> list[int]:
+        """The plan's ranks whose holders are members."""
+        return [r for r, holder in enumerate(self.ranks) if holder in self.generation.members]
 
     def _failed_workers(self) -> set[tuple[int, int]]:
-        plan = self.job.allocation.plan
-        return {plan.coordinates(r)[1::-1] for r in range(plan.gpus) if r not in self.generation.members}
+        return {self.plan.coordinates(r)[1::-1] for r, holder in enumerate(self.ranks) if holder not in self.generation.members}
 
-    def _schedule(self) -> Schedule:
+    def _schedule(self) -> Schedule | None:
         # NeedsCheckpointRestart when a stage has no replica left; ScheduleWouldNotFit when not even
         # one micro-batch in flight per worker fits (more failures than the plan was fitted for)
-        schedule, self.in_flight = fitting_schedule(self.job, self.cache, self._failed_workers())
+        failed = self._failed_workers()
+        if self.cache is None:
+            if failed:
+                raise NeedsCheckpointRestart(sorted({stage for _, stage in failed}), self.plan.dp)
+            return None  # the engine's fault-free 1F1B
+        schedule, self.in_flight = fitting_schedule(self.job, self.cache, failed)
         if self.in_flight is not None:
             self.log(f"the planner's schedule would not fit the GPUs: at most {self.in_flight} micro-batch(es) in flight per worker")
         return schedule
 
     def step(self, step: int, batches: Callable[[int], list[MicroBatch]], progress: Callable[[], dict]) -> float:
         """Run ``step`` through any failure; first admit the replacements the last commit point
-        let in (at a step's start every member is at the same point; ``progress()`` is what they
-        are told of it)."""
+        let in, or re-plan if it so decided (at a step's start every member is at the same
+        point; ``progress()`` is what replacements are told of it)."""
         self.current = step
         if self.admitted:
-            self._admit(step, progress())
+            self._admit(step, progress)
+        elif self.replanning:
+            self._replan(step)
         return self.survive(lambda: self._attempt(step, batches), (step, STEP))
 
     def survive(self, action: Callable[[], T], position: Position, skipped: Callable[[], T] | None = None) -> T:
@@ -122,7 +165,7 @@ class RecycleSteps:
                 return skipped()
 
     def _attempt(self, step: int, batches: Callable[[int], list[MicroBatch]]) -> float:
-        plan, read = self.job.allocation.plan, {}
+        plan, read = self.plan, {}
 
         def replica(pipeline: int) -> list[MicroBatch]:
             if pipeline not in read:
@@ -132,7 +175,7 @@ class RecycleSteps:
         def commit(loss: float) -> float:
             total = torch.tensor(loss, dtype=torch.float64, device=self.engine.device)
             dist.all_reduce(total)
-            self.admitted = self.generation.commit(step, self.rejoins)
+            self.admitted, self.replanning = self.generation.commit(step, self.rejoins, self._replan_due)
             return total.item() / (plan.dp * plan.tp)  # the last stage's ranks hold the loss
 
         torch.manual_seed(step_seed(self.job.request.seed, step))
@@ -148,9 +191,10 @@ class RecycleSteps:
         failed = sorted(before - set(self.generation.members))
         if not failed:
             raise cause  # nobody died: a real error, not a failure to survive
-        self.engine.regroup(self.generation.members)
-        self.agree(self.engine.position[furthest])
+        self.engine.regroup(self._live())
+        self.agree(self.generation.members.index(furthest))
         self.schedule = self._schedule()
+        self._missing_changed()
         downtime = time.perf_counter() - began
         self.record("failed", failed, downtime)
         self.log(f"rank(s) {failed} failed; {len(self.generation.members)} ranks carry on re-routed ({downtime:.3f} s)")
@@ -158,25 +202,90 @@ class RecycleSteps:
         self.notify("recovered", {"ranks": failed, "downtime_s": downtime, "members": self.generation.members})
         return resume
 
-    def _admit(self, step: int, progress: dict) -> None:
+    def _missing_changed(self) -> None:
+        """After the members changed: while ranks are missing, when they went and what to re-plan to."""
+        if not self._failed_workers():
+            self.away_since, self.replan = None, None
+            return
+        self.away_since = self.away_since or time.monotonic()
+        self.replan = None
+        if self.job.request.replan_after_s is not None:
+            share = self.cache.lookup(self._failed_workers()).plan.iteration_s / self.cache.lookup(()).plan.iteration_s
+            self.replan = smaller_layout(self.job, len(self.generation.members), share)
+
+    def _replan_due(self) -> bool:
+        """(The member deciding at a commit point) whether the live ranks re-plan now: a smaller
+        layout is predicted faster and the missing ranks have been away past the horizon (one
+        measured checkpoint needed for the automatic one)."""
+        if self.replan is None:
+            return False
+        after = self.job.request.replan_after_s
+        if after == "auto":
+            if self.progress.save_s is None:
+                return False
+            after = self.replan.horizon_s(self.progress.save_s)
+        return time.monotonic() - self.away_since >= after
+
+    def _replan(self, step: int) -> None:
+        """Re-plan the members to the smaller layout, from step - 1's checkpoint."""
+        began, target, failed = time.perf_counter(), self.replan, sorted(set(self.ranks) - set(self.generation.members))
+        away = time.monotonic() - self.away_since
+        self.replanning = False
+        self.save(step - 1)
+        self._switch(_on_plan(self.own_job, target.plan), list(self.generation.members))
+        downtime = time.perf_counter() - began
+        label, gain = target.plan.label(), target.rerouted_s / target.step_s
+        self.record("replanned", self.generation.members, downtime, plan=label)
+        self.log(
+            f"rank(s) {failed} away {away:.1f} s: the {len(self.ranks)} live ranks re-plan to {label} from step {step} "
+            f"(predicted {gain:.2f}x re-routing's speed; {downtime:.3f} s)"
+        )
+        self.notify("replanned", {"step": step, "plan": label, "ranks": self.ranks, "downtime_s": downtime})
+
+    def _switch(self, job: TrainingJob, ranks: list[int]) -> None:
+        """Train ``job``'s plan from now, its rank r held by ``ranks[r]``, from the newest checkpoint."""
+        self.engine.leave_groups()
+        self.job, self.ranks = job, ranks
+        self.engine = self.build(job, ranks.index(self.generation.rank), self._live())
+        uri, found = latest(job.checkpoint_uri)
+        checkpoint.load(self.engine, uri, found)
+        self.cache = self._cache()
+        self.schedule = self._schedule()
+        self._missing_changed()
+
+    def _admit(self, step: int, progress: Callable[[], dict]) -> None:
+        """Admit the replacements; after a re-plan, the run's own plan resumes with them from
+        step - 1's checkpoint, else a live replica of their stage sends them its state."""
         began, admitted = time.perf_counter(), self.admitted
         ranks = sorted(r for r, _ in admitted)
-        old = self.generation.members
-        self.generation = self.generation.admitting(admitted, {"progress": progress, "admitted": ranks})
-        self.engine.regroup(self.generation.members)
-        share_from_live_replica(self.engine, old, set(ranks))
-        self.schedule = self._schedule()
+        old, replanned = self.generation.members, self.ranks != self.own_ranks
+        if replanned:
+            self.save(step - 1)
+        self.generation = self.generation.admitting(admitted, {"progress": progress(), "admitted": ranks, "reload": replanned})
         self.admitted = []
+        if replanned:
+            self._switch(self.own_job, self.own_ranks)
+        else:
+            self.engine.regroup(self._live())
+            share_from_live_replica(self.engine, old, set(ranks))
+            self.schedule = self._schedule()
+            self._missing_changed()
         downtime = time.perf_counter() - began
-        self.record("rejoined", ranks, downtime)
-        self.log(f"rank(s) {ranks} rejoined before step {step} ({downtime:.3f} s)")
+        self.record("rejoined", ranks, downtime, plan=self.plan.label() if replanned else None)
+        self.log(f"rank(s) {ranks} rejoined before step {step}{' on ' + self.plan.label() if replanned else ''} ({downtime:.3f} s)")
         self.notify("rejoined", {"step": step, "ranks": ranks, "downtime_s": downtime, "members": self.generation.members})
 
-    def record(self, kind: str, ranks: list[int], downtime_s: float) -> None:
-        """Add a failure survived or a rejoin, at the current step, to the run's record."""
+    def record(self, kind: str, ranks: list[int], downtime_s: float, plan: str | None = None) -> None:
+        """Add a failure survived, a re-plan or a rejoin, at the current step, to the run's record."""
         at = datetime.now(UTC).isoformat(timespec="milliseconds")
         entry = {"at": at, "step": self.current, "kind": kind, "ranks": ranks, "downtime_s": round(downtime_s, 4)}
-        self.survived.append(entry | ({"in_flight": self.in_flight} if self.in_flight is not None else {}))
+        extra = {"in_flight": self.in_flight, "plan": plan}
+        self.survived.append(entry | {k: v for k, v in extra.items() if v is not None})
+
+
+def _on_plan(job: TrainingJob, plan: ParallelPlan) -> TrainingJob:
+    """``job`` on ``plan`` (its placements stay: the ranks run where they ran)."""
+    return job.model_copy(update={"allocation": job.allocation.model_copy(update={"plan": plan})})
 
 
 def without_frames(exc: BaseException) -> BaseException:

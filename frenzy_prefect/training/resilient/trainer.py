@@ -19,8 +19,11 @@ import torch.distributed as dist
 from frenzy_prefect.spec.layout import check_resilience
 from frenzy_prefect.spec.plan import TrainingJob
 from frenzy_prefect.spec.result import TrainingResult
+from frenzy_prefect.training import checkpoint
 from frenzy_prefect.training.data import TokenWindows, replica_batches
 from frenzy_prefect.training.distributed import DistributedContext, together
+from frenzy_prefect.training.engine import Engine
+from frenzy_prefect.training.manifest import latest
 from frenzy_prefect.training.resilient.generations import FINISHED, Generation, await_admission, finished_result
 from frenzy_prefect.training.resilient.liveness import Heartbeat, incarnation_from_env
 from frenzy_prefect.training.resilient.steps import CHECKPOINT, RecycleSteps, share_from_live_replica
@@ -47,7 +50,20 @@ def train(job: TrainingJob, ctx: DistributedContext, log: Callable[[str], None] 
             generation, note = admission
             joined = time.perf_counter()
             engine, progress = _join(job, ctx, generation, note)
-        steps = RecycleSteps(job, engine, generation, notify, log, progress.survived, lambda source: agree(progress, source))
+
+        def build(job: TrainingJob, rank: int, live: list[int]) -> Engine:
+            return build_engine(job, ctx.model_copy(update={"rank": rank}), live)
+
+        def save(step: int) -> None:
+            """Step ``step``'s checkpoint, written by the members unless it is (a re-plan resumes from it)."""
+            if progress.final is not None and progress.last_saved == step:
+                return
+            keep = job.request.keep_checkpoints
+            uri, save_s = together(ctx, lambda: checkpoint.save(steps.engine, job.checkpoint_uri, step, progress.losses, keep))
+            progress.last_saved, progress.final, progress.save_s = step, uri, save_s
+            log(f"checkpoint of step {step} written to {uri} in {save_s:.2f} s")
+
+        steps = RecycleSteps(job, engine, generation, notify, log, progress, lambda source: agree(progress, source), build, save)
         steps.current = progress.next_step
         if incarnation > 0:
             steps.record("rejoined", note["admitted"], time.perf_counter() - joined)
@@ -56,7 +72,7 @@ def train(job: TrainingJob, ctx: DistributedContext, log: Callable[[str], None] 
 
         def run_step(step: int, data: TokenWindows, progress: Progress) -> float:
             def batches(replica: int) -> list:
-                return [tuple(t.to(ctx.device) for t in b) for b in replica_batches(job, data, replica, step)]
+                return [tuple(t.to(ctx.device) for t in b) for b in replica_batches(steps.job, data, replica, step)]
 
             return steps.step(step, batches, lambda: asdict(progress))
 
@@ -65,7 +81,7 @@ def train(job: TrainingJob, ctx: DistributedContext, log: Callable[[str], None] 
 
         first = progress.next_step
         with closing(data):
-            timings = run_steps(job, ctx, engine, data, progress, run_step, log, notify, survive)
+            timings = run_steps(job, ctx, lambda: steps.engine, data, progress, run_step, log, notify, survive)
         result = write_result(job, ctx, progress, first, timings, started)
         if ctx.rank == steps.generation.members[0]:
             store.set(FINISHED, result.model_dump_json())  # replacements still waiting return it
@@ -88,10 +104,14 @@ def _start(job: TrainingJob, ctx: DistributedContext, store, log: Callable[[str]
 
 def _join(job: TrainingJob, ctx: DistributedContext, generation: Generation, note: dict):
     """A replacement admitted into ``generation`` (``note``: what the members told it): its engine,
-    with its stage's state from a live replica, and the members' progress (whose record ends
-    before this rejoin: the caller adds it)."""
+    with its stage's state from a live replica, or (the members had re-planned, and now resume
+    the run's own plan) from the checkpoint they wrote, and the members' progress (whose record
+    ends before this rejoin: the caller adds it)."""
     engine = build_engine(job, ctx, live=generation.members)
-    share_from_live_replica(engine, [m for m in generation.members if m not in note["admitted"]], {ctx.rank})
+    if note["reload"]:
+        checkpoint.load(engine, *latest(job.checkpoint_uri))
+    else:
+        share_from_live_replica(engine, [m for m in generation.members if m not in note["admitted"]], {ctx.rank})
     return engine, Progress(**note["progress"])
 
 
