@@ -9,7 +9,8 @@ as the supervisor does). The same schedule, counted from the job's first checkpo
 1), is run under:
 
 - **recycle**: ``resilience="recycle"``, a replacement per kill (the survivors re-route, redo the
-  interrupted step, the replacement rejoins with a live replica's state);
+  interrupted step, the replacement rejoins with a live replica's state; no re-plan to a smaller
+  layout, ``replan_after_s`` None);
 - **restart**: ``resilience="restart"``, ``max_restarts`` = kills: torchrun's elastic restart of
   every rank from the last sharded checkpoint (the product's default interval, within 5% of the
   training time);
@@ -425,7 +426,8 @@ def main() -> None:
         for name, dp, n, request, kill in [
             ("fault-free recycle", DP, baseline_steps, {"resilience": "recycle"}, []),
             ("fault-free restart", DP, baseline_steps, {}, []),
-            ("recycle", DP, steps, {"resilience": "recycle", "max_replacements": kills}, schedule),
+            # (replan_after_s None: re-routing until each replacement rejoins, as the simulator's recycle policy)
+            ("recycle", DP, steps, {"resilience": "recycle", "max_replacements": kills, "replan_after_s": None}, schedule),
             ("restart", DP, steps, {"max_restarts": kills}, schedule),
             ("dp=1 x pp=2", 1, drop_steps, {}, []),
         ]:
