@@ -100,6 +100,7 @@ class RecycleSteps:
         self.away_since: float | None = None  # since when (monotonic) the plan has missed ranks
         self.replan: Replan | None = None  # the smaller layout to re-plan to, while ranks are missing
         self.survived, self.current = progress.survived, 0  # the run's record (SurvivedFailure fields)
+        self.commit_s = 0.0  # time spent deciding at commit points (what plain training does not pay)
 
     @property
     def plan(self) -> ParallelPlan:
@@ -175,7 +176,9 @@ class RecycleSteps:
         def commit(loss: float) -> float:
             total = torch.tensor(loss, dtype=torch.float64, device=self.engine.device)
             dist.all_reduce(total)
+            arrived = time.perf_counter()
             self.admitted, self.replanning = self.generation.commit(step, self.rejoins, self._replan_due)
+            self.commit_s += time.perf_counter() - arrived
             return total.item() / (plan.dp * plan.tp)  # the last stage's ranks hold the loss
 
         torch.manual_seed(step_seed(self.job.request.seed, step))

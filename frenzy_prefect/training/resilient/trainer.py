@@ -82,6 +82,9 @@ def train(job: TrainingJob, ctx: DistributedContext, log: Callable[[str], None] 
         first = progress.next_step
         with closing(data):
             timings = run_steps(job, ctx, lambda: steps.engine, data, progress, run_step, log, notify, survive)
+        if timings["step"]:
+            each, share = steps.commit_s / len(timings["step"]), steps.commit_s / sum(timings["step"])
+            log(f"rank {ctx.rank}: commit points took {1000 * each:.1f} ms a step ({share:.1%} of the steps)")
         result = write_result(job, ctx, progress, first, timings, started)
         if ctx.rank == steps.generation.members[0]:
             store.set(FINISHED, result.model_dump_json())  # replacements still waiting return it
