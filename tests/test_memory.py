@@ -104,6 +104,7 @@ MEASURED = [
     ("bf16 autocast, selective", ParallelPlan(micro_batch=2, recompute="selective"), "bf16", 4, "adamw", False),
     ("tensor parallel, full recompute", ParallelPlan(tp=2, micro_batch=2, recompute="full"), "bf16", 4, "adamw", False),
     ("1F1B pipeline", ParallelPlan(pp=2, micro_batch=1), "fp32", 4, "adamw", False),
+    ("1F1B pipeline, uneven stages", ParallelPlan(pp=2, micro_batch=1, stage_layers=(3, 1)), "fp32", 4, "adamw", False),
     ("data parallel through DDP, full recompute", ParallelPlan(dp=2, micro_batch=1, recompute="full"), "bf16", 4, "adamw", False),
     ("ZeRO-1 over a pipeline", ParallelPlan(dp=2, pp=2, micro_batch=1, zero=1), "fp32", 4, "adamw", False),
     ("DeepSpeed ZeRO-2, accumulating", ParallelPlan(dp=2, micro_batch=1, zero=2), "fp32", 4, "adamw", False),
@@ -320,7 +321,7 @@ def test_zero1_shares_every_stage_tensor_once_over_data_parallel_ranks(plan):
         assert max(owned) - min(owned) <= largest_tensor(model, plan, stage)
         # The estimator's view: each distinct (elements, largest tensor), in rank order.
         distinct = list(dict.fromkeys((sum(s), max(s)) for s in shares))
-        assert list(optimizer_shares(model, plan.tp, plan.pp, plan.dp, stage)) == distinct
+        assert list(optimizer_shares(model, plan.tp, plan.layer_split(model.layers), plan.dp, stage)) == distinct
 
 
 @settings(max_examples=200, deadline=None)

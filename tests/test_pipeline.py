@@ -46,7 +46,7 @@ def test_deferring_w_shortens_the_iteration():
 @pytest.mark.parametrize(("stage", "stages"), [(1, 3), (1, 2)], ids=["middle stage", "last stage"])
 def test_b_gives_only_the_input_gradient_and_w_then_a_plain_backwards_weight_gradients(stage, stages):
     torch.manual_seed(0)
-    model = Decoder(NANO, stage=stage, stages=stages)
+    model = Decoder(NANO, stage=stage, split=ParallelPlan(pp=stages).layer_split(NANO.layers))
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, NANO.vocab_size, (2, 17), generator=generator)
     targets = ids[:, 1:]

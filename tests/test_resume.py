@@ -130,10 +130,11 @@ def _copy_run(source: TrainingJob, step: int, to: TrainingJob) -> None:
     [
         (DP2, ParallelPlan(micro_batch=4)),
         (ParallelPlan(pp=2, micro_batch=4), ParallelPlan(micro_batch=8)),
+        (ParallelPlan(pp=2, micro_batch=4, stage_layers=(3, 1)), ParallelPlan(micro_batch=8)),
         (ParallelPlan(tp=2, micro_batch=4), ParallelPlan(micro_batch=4)),
         (ParallelPlan(dp=2, micro_batch=4, zero=2), ParallelPlan(micro_batch=4)),
     ],
-    ids=["dp2-to-dp1", "pp2-to-pp1", "tp2-to-tp1", "zero2-to-dp1"],
+    ids=["dp2-to-dp1", "pp2-to-pp1", "uneven-pp2-to-pp1", "tp2-to-tp1", "zero2-to-dp1"],
 )
 def test_a_checkpoint_resumes_on_another_plan_with_the_same_weights_and_loss_curve(dataset, reference, source_plan, target_plan, request):
     name = "resharded-" + request.node.callspec.id

@@ -248,6 +248,17 @@ def test_sharded_plans_train_the_same_model_as_plain_data_parallelism(plan):
     assert _replica0_losses(plan) == pytest.approx(expected, abs=1e-5)
 
 
+@pytest.mark.pipeline
+@pytest.mark.parametrize(
+    "plan", [ParallelPlan(pp=2, micro_batch=2, stage_layers=(3, 1)), ParallelPlan(pp=3, micro_batch=2, stage_layers=(1, 1, 2))], ids=str
+)
+def test_an_uneven_split_of_the_layers_over_the_stages_trains_the_same_model(plan):
+    # The stages hold 3 and 1 (or 1, 1 and 2) of gpt-nano's 4 layers, the head on a stage of its
+    # own size: the same whole model, drawn once and sliced, trains as on one rank.
+    expected = _reference_losses(ParallelPlan(micro_batch=plan.micro_batch))
+    assert _replica0_losses(plan) == pytest.approx(expected, abs=1e-5)
+
+
 MASTER = {"precision": "bf16", "master_weights": True}
 
 
@@ -317,7 +328,7 @@ def test_tensor_parallel_shards_sum_to_the_whole_models_attention_and_mlp(name):
     for rank in range(2):
         tp = _NoComm(rank=rank, size=2)
         shard = Decoder(spec, tp=tp).eval()
-        shard.load_state_dict(shard_state(full.state_dict(), spec, tp, 0, 1))
+        shard.load_state_dict(shard_state(full.state_dict(), spec, tp, 0, (spec.layers,)))
         parts.append((shard.blocks[1].attn(x, shared), shard.blocks[1].mlp(x)))
     torch.testing.assert_close(parts[0][0] + parts[1][0], block.attn(x, shared))
     torch.testing.assert_close(parts[0][1] + parts[1][1], block.mlp(x))

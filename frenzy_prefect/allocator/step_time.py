@@ -91,9 +91,11 @@ def predict_step(model: ModelSpec, plan: ParallelPlan, work: Workload, *, gpu: G
     per_rank_tokens = plan.micro_batch * seq_len / plan.tp
     compute = work.tokens * flops_per_token(model, seq_len, plan.recompute) / (plan.gpus * peak * saturation(per_rank_tokens))
     compute *= 1 + (plan.pp - 1) / accumulation
+    split = plan.layer_split(model.layers)
+    compute *= max(split) * plan.pp / model.layers  # an uneven split runs at its largest stage's pace
 
     between = network_gbps or gpu.link_gbps
-    stage_params = max(params for _, params, _ in stage_shapes(model, plan.tp, plan.pp))
+    stage_params = max(params for _, params, _ in stage_shapes(model, plan.tp, split))
     dp_comm = _ring_all_reduce_s(FP32 * stage_params, plan.dp, between) * (1.5 if plan.zero == 3 else 1.0)
     activation = boundary_activation_bytes(model, plan, work)
     tp_comm = accumulation * tensor_parallel_s(model, plan, work, gpu)

@@ -72,7 +72,6 @@ from frenzy_prefect.spec.layout import (
     layer_parameters,
     parameter_sizes,
     root_shapes,
-    stage_layer_counts,
     stage_shapes,
     stage_tensor_sizes,
     uses_ddp,
@@ -315,7 +314,7 @@ def waiting_for_w_bytes(model: ModelSpec, plan: ParallelPlan, work: Workload, te
     keeps (``deferred_weight_grad_bytes``). On the first stage B computes nothing: ``micro``."""
     if stage == 0:
         return micro
-    layers = stage_layer_counts(model.layers, plan.pp)[stage]
+    layers = plan.layer_split(model.layers)[stage]
     freed = terms.logits if stage == plan.pp - 1 else 0
     return micro - freed + deferred_weight_grad_bytes(model, plan.micro_batch, work, layers=layers, stage=stage, pp=plan.pp)
 
@@ -383,7 +382,7 @@ class PlanSearch:
 
     def shared(self, plan: ParallelPlan) -> tuple[MicroBatchTerms, tuple[StageShape, ...]]:
         """A micro-batch's terms and each stage's shape for ``plan``'s tp, pp, micro-batch and recomputation."""
-        key = (plan.tp, plan.pp, plan.micro_batch, plan.recompute)
+        key = (plan.tp, plan.layer_split(self.model.layers), plan.micro_batch, plan.recompute)
         found = self._shared.get(key)
         if found is None:
             found = self._shared[key] = shared_by_plans(self.model, *key, self.work)
@@ -422,7 +421,8 @@ class PlanSearch:
         activations = max((*moments.before_grads, moments.block, moments.final_norm or (0, 0), moments.embedding or (0, 0)), key=sum)
         rebuild = (moments.ids, FP32 * params if rebuilds else 0)
         # ZeRO-1: each data-parallel rank updates its share of the tensors; the worst share decides.
-        shares = optimizer_shares(self.model, plan.tp, plan.pp, plan.dp, stage) if plan.zero == 1 else ((params, shape.largest),)
+        split = plan.layer_split(self.model.layers)
+        shares = optimizer_shares(self.model, plan.tp, split, plan.dp, stage) if plan.zero == 1 else ((params, shape.largest),)
         worst: Breakdown = (0, 0, 0, 0, 0)
         for owned, owned_largest in shares:
             step = (moments.ids, adam_temporaries(owned if self.on_gpu else owned_largest, self.optimizer_bytes, self.on_gpu))
@@ -433,26 +433,26 @@ class PlanSearch:
     def peak_bytes(self, plan: ParallelPlan) -> int:
         """The predicted peak of ``plan``'s most loaded GPU, without the itemised breakdown."""
         # The middle stages' peaks fall with their index (fewer micro-batches in flight, no more
-        # layers), so the first, second and last stages bound them all.
+        # layers), so with an even split the first, second and last stages bound them all.
         pp = plan.pp
-        tensors = max(sum(p) for p in self.stage_peaks(plan, (0, 1, pp - 1) if pp > 2 else range(pp)))
+        bounding = (0, 1, pp - 1) if pp > 2 and plan.stage_layers is None else range(pp)
+        tensors = max(sum(p) for p in self.stage_peaks(plan, bounding))
         return tensors + _runtime(self.constants, tensors, plan)
 
 
 @lru_cache(maxsize=4096)
 def shared_by_plans(
-    model: ModelSpec, tp: int, pp: int, micro_batch: int, recompute: str, work: Workload
+    model: ModelSpec, tp: int, split: tuple[int, ...], micro_batch: int, recompute: str, work: Workload
 ) -> tuple[MicroBatchTerms, tuple[StageShape, ...]]:
-    """What every plan of this (tp, pp, micro-batch, recomputation) shares: a micro-batch's terms
-    and each stage's shape (what ``PlanSearch.shared`` keeps per search)."""
+    """What every plan of this (tp, layers per stage, micro-batch, recomputation) shares: a
+    micro-batch's terms and each stage's shape (what ``PlanSearch.shared`` keeps per search)."""
     check_tp(model, tp)
-    if pp > model.layers:
-        raise FrenzyError(f"pp ({pp}) must not exceed the number of layers ({model.layers}); accepted: 1..{model.layers}")
+    check_plan(model, ParallelPlan(tp=tp, pp=len(split), stage_layers=split))
     terms = micro_batch_terms(model, tp, micro_batch, recompute, work)
-    shape = ParallelPlan(tp=tp, pp=pp)
+    shape = ParallelPlan(tp=tp, pp=len(split))
     return terms, tuple(
         StageShape(layers, params, largest, in_flight_micro_batch_bytes(terms, shape, layers=layers, stage=stage))
-        for stage, (layers, params, largest) in enumerate(stage_shapes(model, tp, pp))
+        for stage, (layers, params, largest) in enumerate(stage_shapes(model, tp, split))
     )
 
 
@@ -469,12 +469,12 @@ def plan_search(model: ModelSpec, work: Workload, gpu: GpuType | None = None, ca
 
 
 @lru_cache(maxsize=4096)
-def optimizer_shares(model: ModelSpec, tp: int, pp: int, dp: int, stage: int) -> tuple[tuple[int, int], ...]:
+def optimizer_shares(model: ModelSpec, tp: int, split: tuple[int, ...], dp: int, stage: int) -> tuple[tuple[int, int], ...]:
     """The distinct (elements, largest tensor) a data-parallel rank of ``stage`` updates under
     ZeRO-1, in rank order, as torch's ZeroRedundancyOptimizer deals whole tensors out: largest
     first, each to the rank holding the fewest elements so far (``deal_out``). Ranks alike are one
     entry (those dealt nothing last), so the cost follows the tensors, not dp."""
-    sizes = stage_tensor_sizes(model, ParallelPlan(tp=tp, pp=pp), stage)
+    sizes = stage_tensor_sizes(model, ParallelPlan(tp=tp, pp=len(split), stage_layers=split), stage)
     totals: dict[int, int] = {}
     largest: dict[int, int] = {}
     for n, rank in zip(sizes, deal_out(sizes, dp), strict=True):

@@ -112,10 +112,13 @@ class StageCosts(BaseModel):
         between = network_gbps or gpu.link_gbps
         total = sum(split)
         params = [stage_parameters(model, plan, s) for s in range(plan.pp)]
+        # each stage's share of the compute by its layers (an uneven split; the model's own pace is its largest stage's)
+        layers = plan.layer_split(model.layers)
+        weight = [n / max(layers) for n in layers]
         return cls(
-            forward_s=[compute * split[0] / total + tp] * plan.pp,
-            backward_input_s=[compute * split[1] / total + tp] * plan.pp,
-            backward_weight_s=[compute * split[2] / total] * plan.pp,
+            forward_s=[compute * split[0] / total * w + tp for w in weight],
+            backward_input_s=[compute * split[1] / total * w + tp for w in weight],
+            backward_weight_s=[compute * split[2] / total * w for w in weight],
             p2p_s=boundary_activation_bytes(model, plan, work) / (between * 1e9) if plan.pp > 1 else 0.0,
             gradient_transfer_s=[FP32 * n / (between * 1e9) for n in params],
             optimizer_s=[optimizer_step_s(n / (plan.dp if plan.zero else 1), gpu) for n in params],

@@ -26,8 +26,10 @@ def zero_runs_with(zero: int, tp: int, pp: int) -> bool:
 def check_plan(model: ModelSpec, plan: ParallelPlan) -> None:
     """Reject plans the model cannot be split into, naming the accepted values."""
     check_tp(model, plan.tp)
-    if plan.pp > model.layers:
-        raise FrenzyError(f"pp ({plan.pp}) must not exceed the number of layers ({model.layers}); accepted: 1..{model.layers}")
+    plan.layer_split(model.layers)  # pp within the layers
+    if plan.stage_layers is not None and sum(plan.stage_layers) != model.layers:
+        split = "+".join(map(str, plan.stage_layers))
+        raise FrenzyError(f"stage_layers ({split} = {sum(plan.stage_layers)}) must add up to the model's {model.layers} layers")
     if zero_runs_with(plan.zero, plan.tp, plan.pp):
         return
     if plan.zero == 2:
@@ -102,13 +104,6 @@ def uses_ddp(plan: ParallelPlan, master_weights: bool = False) -> bool:
     return plan.dp > 1 and plan.tp == 1 and plan.pp == 1 and not plan.zero and not master_weights
 
 
-@lru_cache(maxsize=1024)
-def stage_layer_counts(layers: int, pp: int) -> tuple[int, ...]:
-    """Layers per pipeline stage; the first stages take the remainder."""
-    base, extra = divmod(layers, pp)
-    return tuple(base + (1 if s < extra else 0) for s in range(pp))
-
-
 def block_shapes(model: ModelSpec, tp: int) -> list[tuple[int, int]]:
     """(rows, columns) of one block's parameter tensors on tensor-parallel rank 0, in ``Block``
     order: norm, QKV (column-split), projection (row-split, its bias kept on rank 0), norm, MLP-in
@@ -161,25 +156,26 @@ def stage_tensor_sizes(model: ModelSpec, plan: ParallelPlan, stage: int) -> tupl
     embeddings on the first stage, the final norm and head on the last (a separate copy of a tied
     embedding when the stages differ). The token embedding and the head hold the rank's
     vocabulary slice (``vocab_rows``); learned positions and norms are replicated over tp."""
-    return _stage_tensor_sizes(model, plan.tp, plan.pp, stage)
+    return _stage_tensor_sizes(model, plan.tp, plan.layer_split(model.layers), stage)
 
 
 @lru_cache(maxsize=4096)
-def _stage_tensor_sizes(model: ModelSpec, tp: int, pp: int, stage: int) -> tuple[int, ...]:
+def _stage_tensor_sizes(model: ModelSpec, tp: int, split: tuple[int, ...], stage: int) -> tuple[int, ...]:
+    pp = len(split)
     shapes = embedding_shapes(model, tp) if stage == 0 else []
     if stage == pp - 1:
         shapes += head_shapes(model, tp, own_head=not model.tied_embeddings or pp > 1)
-    return tuple(block_tensors(model, tp) * stage_layer_counts(model.layers, pp)[stage] + [r * c for r, c in shapes])
+    return tuple(block_tensors(model, tp) * split[stage] + [r * c for r, c in shapes])
 
 
 def stage_parameters(model: ModelSpec, plan: ParallelPlan, stage: int) -> int:
     """Parameters on a rank of a stage (``stage_tensor_sizes``)."""
-    return _stage_parameters(model, plan.tp, plan.pp, stage)
+    return _stage_parameters(model, plan.tp, plan.layer_split(model.layers), stage)
 
 
 @lru_cache(maxsize=4096)
-def _stage_parameters(model: ModelSpec, tp: int, pp: int, stage: int) -> int:
-    return sum(_stage_tensor_sizes(model, tp, pp, stage))
+def _stage_parameters(model: ModelSpec, tp: int, split: tuple[int, ...], stage: int) -> int:
+    return sum(_stage_tensor_sizes(model, tp, split, stage))
 
 
 def largest_tensor(model: ModelSpec, plan: ParallelPlan, stage: int) -> int:
@@ -188,11 +184,11 @@ def largest_tensor(model: ModelSpec, plan: ParallelPlan, stage: int) -> int:
 
 
 @lru_cache(maxsize=4096)
-def stage_shapes(model: ModelSpec, tp: int, pp: int) -> tuple[tuple[int, int, int], ...]:
-    """Per pipeline stage: (layers, parameters, largest parameter tensor) of one of its ranks."""
-    plan = ParallelPlan(tp=tp, pp=pp)
-    counts = stage_layer_counts(model.layers, pp)
-    return tuple((counts[s], stage_parameters(model, plan, s), largest_tensor(model, plan, s)) for s in range(pp))
+def stage_shapes(model: ModelSpec, tp: int, split: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
+    """Per pipeline stage (``split``: the layers of each): (layers, parameters, largest parameter
+    tensor) of one of its ranks."""
+    plan = ParallelPlan(tp=tp, pp=len(split), stage_layers=split)
+    return tuple((split[s], stage_parameters(model, plan, s), largest_tensor(model, plan, s)) for s in range(len(split)))
 
 
 def zero_bucket_elements(model: ModelSpec) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Literal
 
 from pydantic import (
@@ -28,6 +29,13 @@ Recompute = Literal["none", "selective", "full"]
 MAX_GPUS = 1 << 16
 
 
+@lru_cache(maxsize=1024)
+def even_layers(layers: int, pp: int) -> tuple[int, ...]:
+    """Layers per pipeline stage, split evenly; the first stages take the remainder."""
+    base, extra = divmod(layers, pp)
+    return tuple(base + (1 if s < extra else 0) for s in range(pp))
+
+
 class ParallelPlan(BaseModel):
     """How one job is split: global_batch = dp * micro_batch * accumulation steps."""
 
@@ -39,12 +47,25 @@ class ParallelPlan(BaseModel):
     micro_batch: PositiveInt = 1
     zero: Literal[0, 1, 2, 3] = 0
     recompute: Recompute = "none"
+    stage_layers: tuple[PositiveInt, ...] | None = Field(
+        default=None,
+        description="Layers of each pipeline stage, first to last, summing to the model's (an uneven split: a faster stage "
+        "takes more); None: even, the first stages taking the remainder.",
+    )
 
     @model_validator(mode="after")
     def _within_max_gpus(self) -> ParallelPlan:
         if self.gpus > MAX_GPUS:
             raise ValueError(f"dp x tp x pp = {self.dp} x {self.tp} x {self.pp} = {self.gpus:,} GPUs; a plan has at most {MAX_GPUS:,} GPUs")
+        if self.stage_layers is not None and len(self.stage_layers) != self.pp:
+            raise ValueError(f"stage_layers gives {len(self.stage_layers)} stages' layers and pp is {self.pp}: give one count per stage")
         return self
+
+    def layer_split(self, layers: int) -> tuple[int, ...]:
+        """Layers of each stage of a model of ``layers`` layers."""
+        if self.pp > layers:
+            raise FrenzyError(f"pp ({self.pp}) must not exceed the number of layers ({layers}); accepted: 1..{layers}")
+        return self.stage_layers or even_layers(layers, self.pp)
 
     @property
     def gpus(self) -> int:
@@ -67,7 +88,8 @@ class ParallelPlan(BaseModel):
         return (stage * self.dp + replica) * self.tp + tp_rank
 
     def label(self) -> str:
-        return f"dp={self.dp} tp={self.tp} pp={self.pp} mb={self.micro_batch} zero={self.zero} recompute={self.recompute}"
+        split = f" layers={'/'.join(map(str, self.stage_layers))}" if self.stage_layers else ""
+        return f"dp={self.dp} tp={self.tp} pp={self.pp}{split} mb={self.micro_batch} zero={self.zero} recompute={self.recompute}"
 
 
 class MemoryBreakdown(BaseModel):

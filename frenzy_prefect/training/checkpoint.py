@@ -116,7 +116,7 @@ def _whole_name(engine: Engine, name: str) -> str:
     head on the last stage is the embedding it copies."""
     if name.startswith("blocks."):
         _, index, rest = name.split(".", 2)
-        first = stage_layers(engine.spec.layers, engine.plan.pp, engine.stage).start
+        first = stage_layers(engine.plan.layer_split(engine.spec.layers), engine.stage).start
         return f"blocks.{first + int(index)}.{rest}"
     if name == "head.weight" and engine.spec.tied_embeddings:
         return "tok_emb.weight"

@@ -2,7 +2,7 @@
 (learned positions, LayerNorm, GELU) or Llama (rotary positions, RMSNorm, SwiGLU, grouped-query
 attention), tied or untied embeddings.
 
-One module serves every plan: ``stage``/``stages`` select a pipeline stage's layers (embeddings
+One module serves every plan: ``stage``/``split`` select a pipeline stage's layers (embeddings
 on the first, final norm and head on the last) and ``tp`` splits attention heads, the MLP and
 the vocabulary Megatron-style (the token embedding and the head hold V/t rows, the logits and
 the loss's gradients V/t columns; the vocabulary is padded to a multiple of tp, ``padded_vocab``).
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from frenzy_prefect.spec.layout import padded_vocab, stage_layer_counts
+from frenzy_prefect.spec.layout import padded_vocab
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import Recompute
 from frenzy_prefect.spec.request import Attention
@@ -26,11 +26,10 @@ from frenzy_prefect.training.layers import Block, dropout, norm, positions
 from frenzy_prefect.training.tensor_parallel import TensorParallel
 
 
-def stage_layers(layers: int, stages: int, stage: int) -> range:
-    """The layers of one pipeline stage (the split the memory model counts)."""
-    counts = stage_layer_counts(layers, stages)
-    start = sum(counts[:stage])
-    return range(start, start + counts[stage])
+def stage_layers(split: tuple[int, ...], stage: int) -> range:
+    """The layers of one pipeline stage (``split``: the layers of each, as the plan gives them)."""
+    start = sum(split[:stage])
+    return range(start, start + split[stage])
 
 
 class Decoder(nn.Module):
@@ -42,27 +41,29 @@ class Decoder(nn.Module):
         attention: Attention = "flash",
         tp: TensorParallel = TensorParallel(),
         stage: int = 0,
-        stages: int = 1,
+        split: tuple[int, ...] | None = None,
         vocab: int | None = None,
     ):
-        """``vocab``: rows of the whole token embedding and head (default: padded for ``tp``); the
+        """``split``: the layers of each pipeline stage (default: one stage, every layer);
+        ``vocab``: rows of the whole token embedding and head (default: padded for ``tp``); the
         whole model a ``tp``-way plan is sliced from is drawn with that plan's padding."""
         super().__init__()
         self.spec, self.attention, self.tp = spec, attention, tp
         rows = (vocab or padded_vocab(spec, tp.size)) // tp.size  # this rank's vocabulary slice
-        self.first, self.last = stage == 0, stage == stages - 1
+        split = split or (spec.layers,)
+        self.first, self.last = stage == 0, stage == len(split) - 1
         self.recompute_blocks = recompute == "full"
         if self.first:
             self.tok_emb = nn.Embedding(rows, spec.hidden)
             if spec.position == "learned":
                 self.pos_emb = nn.Embedding(spec.max_seq_len, spec.hidden)
-        self.blocks = nn.ModuleList(Block(spec, attention, recompute, tp) for _ in stage_layers(spec.layers, stages, stage))
+        self.blocks = nn.ModuleList(Block(spec, attention, recompute, tp) for _ in stage_layers(split, stage))
         if self.last:
             self.ln_f = norm(spec)
             self.head = nn.Linear(spec.hidden, rows, bias=False)  # column-parallel
             if spec.tied_embeddings and self.first:
                 self.head.weight = self.tok_emb.weight
-        if tp.size == 1 and stages == 1:
+        if tp.size == 1 and len(split) == 1:
             self.apply(self._init)
             for name, p in self.named_parameters():  # GPT-2: scale residual projections by depth
                 if name.endswith("proj.weight"):
@@ -98,10 +99,13 @@ class Decoder(nn.Module):
         return self.tp.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def shard_state(full: dict[str, torch.Tensor], spec: ModelSpec, tp: TensorParallel, stage: int, stages: int) -> dict[str, torch.Tensor]:
-    """The whole model's state sliced to one stage and tensor-parallel rank (``Decoder`` naming; views
-    of ``full`` or slices copied from it, for ``load_state_dict`` to copy)."""
-    layers = stage_layers(spec.layers, stages, stage)
+def shard_state(
+    full: dict[str, torch.Tensor], spec: ModelSpec, tp: TensorParallel, stage: int, split: tuple[int, ...]
+) -> dict[str, torch.Tensor]:
+    """The whole model's state sliced to one stage (``split``: the layers of each) and
+    tensor-parallel rank (``Decoder`` naming; views of ``full`` or slices copied from it, for
+    ``load_state_dict`` to copy)."""
+    layers = stage_layers(split, stage)
     out: dict[str, torch.Tensor] = {}
     for name, t in full.items():
         if name.startswith("blocks."):
@@ -113,9 +117,9 @@ def shard_state(full: dict[str, torch.Tensor], spec: ModelSpec, tp: TensorParall
                 out[f"blocks.{int(index) - layers.start}.{rest}"] = part
         elif name.startswith(("tok_emb", "pos_emb")) and stage == 0:
             out[name] = t[tp.split(t.shape[0])] if name == "tok_emb.weight" else t
-        elif name.startswith(("ln_f", "head")) and stage == stages - 1:
+        elif name.startswith(("ln_f", "head")) and stage == len(split) - 1:
             out[name] = t[tp.split(t.shape[0])] if name == "head.weight" else t
-    if stage == stages - 1 and "head.weight" not in out:  # tied head on a later stage than the embedding
+    if stage == len(split) - 1 and "head.weight" not in out:  # tied head on a later stage than the embedding
         emb = full["tok_emb.weight"]
         out["head.weight"] = emb[tp.split(emb.shape[0])]
     return out

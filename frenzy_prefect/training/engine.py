@@ -164,8 +164,9 @@ class Engine:
             vocab = padded_vocab(spec, plan.tp)  # the whole model drawn with the plan's padding, then sliced
             full = Decoder(spec, vocab=vocab)
             tp = self.groups.tp if self.groups else TensorParallel()
-            self.model = Decoder(spec, plan.recompute, attention=attention, tp=tp, stage=self.stage, stages=plan.pp, vocab=vocab)
-            self.model.load_state_dict(shard_state(full.state_dict(), spec, tp, self.stage, plan.pp))
+            split = plan.layer_split(spec.layers)
+            self.model = Decoder(spec, plan.recompute, attention=attention, tp=tp, stage=self.stage, split=split, vocab=vocab)
+            self.model.load_state_dict(shard_state(full.state_dict(), spec, tp, self.stage, split))
             del full
         self.model.to(device)
         if self.groups and plan.zero == 3:  # (replaces the parameters by their shards)
