@@ -22,6 +22,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import NamedTuple
 
+from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.memory.analytic import COMPUTE_BYTES, FP32
 from frenzy_prefect.spec.gpu import GpuType
 from frenzy_prefect.spec.layout import stage_shapes
@@ -93,6 +94,8 @@ def predict_step(model: ModelSpec, plan: ParallelPlan, work: Workload, *, gpu: G
     compute *= 1 + (plan.pp - 1) / accumulation
     split = plan.layer_split(model.layers)
     compute *= max(split) * plan.pp / model.layers  # an uneven split runs at its largest stage's pace
+    counts = plan.replica_accumulation(work.global_batch)
+    compute *= max(counts) * plan.dp / sum(counts)  # and uneven replicas at the largest's
 
     between = network_gbps or gpu.link_gbps
     stage_params = max(params for _, params, _ in stage_shapes(model, plan.tp, split))
@@ -102,6 +105,41 @@ def predict_step(model: ModelSpec, plan: ParallelPlan, work: Workload, *, gpu: G
     pp_comm = 0.0 if plan.pp == 1 else 2 * (accumulation + plan.pp - 1) * activation / (between * 1e9)
     optimizer = optimizer_step_s(stage_params / (plan.dp if plan.zero else 1), gpu)
     return StepTime(compute, dp_comm + tp_comm + pp_comm + optimizer, gpu.achievable_fraction)
+
+
+def predict_mixed_step(model: ModelSpec, plan: ParallelPlan, work: Workload, *, gpus: dict[str, GpuType], network_gbps: float) -> StepTime:
+    """A plan across GPU types (``plan.stage_types`` or ``replica_types``, each named in ``gpus``):
+    every worker computes its stage's layers of its replica's micro-batches on its own type; a
+    replica's 1F1B runs (micro-batches + pp - 1) slots of its slowest stage, the step waits for
+    the slowest replica. Types sit on different nodes, so the stages' transfers and the
+    data-parallel all-reduce cross the network (``network_gbps``); tensor parallelism stays
+    inside a node of one type. The compute is returned already at each type's achievable
+    fraction (``achievable_fraction`` 1)."""
+    split, counts = plan.layer_split(model.layers), plan.replica_accumulation(work.global_batch)
+    if plan.replica_types:
+        types = [[gpus[name]] * plan.pp for name in plan.replica_types]  # [replica][stage]
+    elif plan.stage_types:
+        types = [[gpus[name] for name in plan.stage_types]] * plan.dp
+    else:
+        raise FrenzyError(f"plan {plan.label()} names no GPU types: its step time is predict_step's on the allocation's type")
+    per_rank_tokens = plan.micro_batch * work.seq_len / plan.tp
+    micro_flops = plan.micro_batch * work.seq_len * flops_per_token(model, work.seq_len, plan.recompute) / plan.tp
+
+    def speed(gpu: GpuType) -> float:
+        peak = gpu.fp32_tflops if work.precision == "fp32" else gpu.half_tflops
+        return peak * 1e12 * gpu.achievable_fraction * saturation(per_rank_tokens)
+
+    compute = max(
+        (m + plan.pp - 1) * max(micro_flops * layers / model.layers / speed(gpu) for layers, gpu in zip(split, row, strict=True))
+        for m, row in zip(counts, types, strict=True)
+    )
+    stage_params = max(params for _, params, _ in stage_shapes(model, plan.tp, split))
+    dp_comm = _ring_all_reduce_s(FP32 * stage_params, plan.dp, network_gbps) * (1.5 if plan.zero == 3 else 1.0)
+    pp_comm = 0.0 if plan.pp == 1 else 2 * (max(counts) + plan.pp - 1) * boundary_activation_bytes(model, plan, work) / (network_gbps * 1e9)
+    used = {gpu.name: gpu for row in types for gpu in row}.values()
+    tp_comm = max(counts) * max(tensor_parallel_s(model, plan, work, gpu) for gpu in used)
+    optimizer = max(optimizer_step_s(stage_params / (plan.dp if plan.zero else 1), gpu) for gpu in used)
+    return StepTime(compute, dp_comm + pp_comm + tp_comm + optimizer, 1.0)
 
 
 def fit_achievable_fraction(samples: list[tuple[StepTime, float]]) -> float:

@@ -48,6 +48,10 @@ def check_engine_plan(spec: ModelSpec, plan: ParallelPlan, precision: Precision,
         raise FrenzyError("master_weights runs with zero 0, 1 (any tp and pp) or 3 (FSDP2's mixed precision); ZeRO-2 keeps fp32 weights")
     if precision == "fp16" and (plan.tp > 1 or plan.pp > 1 or plan.zero):
         raise FrenzyError("fp16 loss scaling is implemented for plain data parallelism (tp=1, pp=1, zero=0); use bf16 or fp32")
+    if plan.replica_micro_batches is not None and (plan.pp > 1 or plan.zero == 2):
+        raise FrenzyError(
+            "replica_micro_batches (uneven replicas) runs with pp=1 and zero 0, 1 or 3; use an even split with pipelines or ZeRO-2"
+        )
 
 
 def check_resilience(plan: ParallelPlan, resilience: Resilience, master_weights: bool = False) -> None:

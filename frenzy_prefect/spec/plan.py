@@ -52,6 +52,21 @@ class ParallelPlan(BaseModel):
         description="Layers of each pipeline stage, first to last, summing to the model's (an uneven split: a faster stage "
         "takes more); None: even, the first stages taking the remainder.",
     )
+    replica_micro_batches: tuple[PositiveInt, ...] | None = Field(
+        default=None,
+        description="Micro-batches of each data-parallel replica per step, first to last, which with micro_batch add up to "
+        "the global batch (uneven: a faster replica takes more); None: the global batch split evenly.",
+    )
+    stage_types: tuple[str, ...] | None = Field(
+        default=None,
+        description="A plan across GPU types: the type of each pipeline stage, first to last (every replica alike); None: "
+        "the allocation's one type.",
+    )
+    replica_types: tuple[str, ...] | None = Field(
+        default=None,
+        description="A plan across GPU types: the type of each data-parallel replica (every stage of it); None: the "
+        "allocation's one type. At most one of stage_types and replica_types.",
+    )
 
     @model_validator(mode="after")
     def _within_max_gpus(self) -> ParallelPlan:
@@ -59,7 +74,23 @@ class ParallelPlan(BaseModel):
             raise ValueError(f"dp x tp x pp = {self.dp} x {self.tp} x {self.pp} = {self.gpus:,} GPUs; a plan has at most {MAX_GPUS:,} GPUs")
         if self.stage_layers is not None and len(self.stage_layers) != self.pp:
             raise ValueError(f"stage_layers gives {len(self.stage_layers)} stages' layers and pp is {self.pp}: give one count per stage")
+        if self.replica_micro_batches is not None and len(self.replica_micro_batches) != self.dp:
+            given = len(self.replica_micro_batches)
+            raise ValueError(f"replica_micro_batches gives {given} replicas' micro-batches and dp is {self.dp}: give one count per replica")
+        if self.stage_types is not None and len(self.stage_types) != self.pp:
+            raise ValueError(f"stage_types gives {len(self.stage_types)} stages' types and pp is {self.pp}: give one type per stage")
+        if self.replica_types is not None and len(self.replica_types) != self.dp:
+            raise ValueError(
+                f"replica_types gives {len(self.replica_types)} replicas' types and dp is {self.dp}: give one type per replica"
+            )
+        if self.stage_types is not None and self.replica_types is not None:
+            raise ValueError("a plan gives stage_types or replica_types, not both: its types differ along the pipeline or across replicas")
         return self
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the plan spans GPU types."""
+        return len(set(self.stage_types or self.replica_types or ())) > 1
 
     def layer_split(self, layers: int) -> tuple[int, ...]:
         """Layers of each stage of a model of ``layers`` layers."""
@@ -72,12 +103,26 @@ class ParallelPlan(BaseModel):
         return self.dp * self.tp * self.pp
 
     def accumulation(self, global_batch: int) -> int:
+        """Micro-batches per replica per step: the most any replica runs (with an even split, each's)."""
+        return max(self.replica_accumulation(global_batch))
+
+    def replica_accumulation(self, global_batch: int) -> tuple[int, ...]:
+        """Micro-batches of each replica per step."""
+        if self.replica_micro_batches is not None:
+            counts, total = self.replica_micro_batches, sum(self.replica_micro_batches) * self.micro_batch
+            if total != global_batch:
+                split = "+".join(map(str, counts))
+                raise FrenzyError(
+                    f"replica_micro_batches ({split}) x micro_batch ({self.micro_batch}) = {total} samples, "
+                    f"not the global_batch ({global_batch}): give counts that add up to {global_batch // self.micro_batch}"
+                )
+            return counts
         per_step = self.dp * self.micro_batch
         if global_batch % per_step:
             raise FrenzyError(
                 f"global_batch ({global_batch}) must be divisible by dp * micro_batch ({self.dp} * {self.micro_batch} = {per_step})"
             )
-        return global_batch // per_step
+        return (global_batch // per_step,) * self.dp
 
     def coordinates(self, rank: int) -> tuple[int, int, int]:
         """(pipeline stage, data-parallel replica, tensor-parallel rank) of a global rank; ranks
@@ -88,8 +133,12 @@ class ParallelPlan(BaseModel):
         return (stage * self.dp + replica) * self.tp + tp_rank
 
     def label(self) -> str:
-        split = f" layers={'/'.join(map(str, self.stage_layers))}" if self.stage_layers else ""
-        return f"dp={self.dp} tp={self.tp} pp={self.pp}{split} mb={self.micro_batch} zero={self.zero} recompute={self.recompute}"
+        def each(name: str, values: tuple | None) -> str:
+            return f" {name}={'/'.join(map(str, values))}" if values else ""
+
+        replicas = each("batches", self.replica_micro_batches) + each("on", self.replica_types)
+        stages = each("layers", self.stage_layers) + each("on", self.stage_types)
+        return f"dp={self.dp}{replicas} tp={self.tp} pp={self.pp}{stages} mb={self.micro_batch} zero={self.zero} recompute={self.recompute}"
 
 
 class MemoryBreakdown(BaseModel):

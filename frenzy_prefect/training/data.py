@@ -76,8 +76,9 @@ def replica_batches(job: TrainingJob, data: TokenWindows, replica: int, step: in
     run (on this plan or another) on what the uninterrupted one would have."""
     request, plan = job.request, job.allocation.plan
     starts = data.starts(torch.Generator().manual_seed(step_seed(request.seed, step)), request.global_batch)
-    share = request.global_batch // plan.dp
-    mine = starts[replica * share : (replica + 1) * share]
+    counts = plan.replica_accumulation(request.global_batch)
+    first, share = sum(counts[:replica]) * plan.micro_batch, counts[replica] * plan.micro_batch
+    mine = starts[first : first + share]
     return [data.windows(mine[i : i + plan.micro_batch]) for i in range(0, share, plan.micro_batch)]
 
 

@@ -148,6 +148,10 @@ class Engine:
         accumulation = plan.accumulation(work.global_batch)
         self.spec, self.plan, self.settings, self.device = spec, plan, optimizer, device
         self.stage, self.replica, _ = plan.coordinates(rank)
+        # Uneven replicas: a replica's mean loss weighs by its share of the global batch, so that
+        # averaging over replicas (DDP's, or the reduction's) averages over every sample.
+        counts = plan.replica_accumulation(work.global_batch)
+        self.batch_weight = counts[self.replica] * plan.dp / sum(counts)
         self.first, self.last = self.stage == 0, self.stage == plan.pp - 1
         half = AUTOCAST_DTYPES.get(precision)
         # Autocast over fp32 weights, or (master weights) half weights and no autocast.
@@ -320,6 +324,8 @@ class Engine:
             with self.ddp.no_sync() if self.ddp and i < len(micro_batches) - 1 else nullcontext():
                 with self._autocast():
                     loss = net(x, y) / len(micro_batches)
+                    if self.batch_weight != 1:
+                        loss = loss * self.batch_weight
                 self.scaler.scale(loss).backward()
             total += loss.detach()
         return total.item()

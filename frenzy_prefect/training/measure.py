@@ -85,7 +85,7 @@ def measure_rank(measurement: Measurement, ctx: DistributedContext) -> RankMemor
     from frenzy_prefect.training.engine import Engine
 
     model, plan, work = measurement.model, measurement.plan, measurement.work
-    accumulation = plan.accumulation(work.global_batch)
+    accumulation = plan.replica_accumulation(work.global_batch)[plan.coordinates(ctx.rank)[1]]
     device = ctx.device
     tracker = StepTracker()
     generator = torch.Generator().manual_seed(ctx.rank)
@@ -124,7 +124,7 @@ def _recycle_steps(measurement: Measurement, engine, ctx: DistributedContext) ->
     others' it runs (a failed peer's) when first asked for, each kept to the step's end, as the
     live runtime's reader keeps them."""
     model, plan, work = measurement.model, measurement.plan, measurement.work
-    accumulation = plan.accumulation(work.global_batch)
+    accumulation = plan.replica_accumulation(work.global_batch)[plan.coordinates(ctx.rank)[1]]
     schedule = recycle_schedule(plan, accumulation, measurement.recycle_failed or ())
     _, replica, _ = plan.coordinates(ctx.rank)
     for step in range(STEPS):

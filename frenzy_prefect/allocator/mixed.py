@@ -1,0 +1,163 @@
+"""Plans across GPU types (issue 31): a pipeline whose stages run on different types, or
+data-parallel replicas on different types, the work split by each type's speed within its memory.
+
+As Metis (Um et al., ATC'24) and FlashFlex do, a split starts from each type's achievable
+throughput (its dense peak at its achievable fraction, ``speed``: the split that makes the
+slowest stage or replica least slow, ``balanced``) and is then refined
+under the memory limits: while a stage does not fit its type, it gives a layer to the stage with
+the most room left; when none can take one, the plan does not fit. Only what the engine trains is
+searched (``tests/test_mixed.py``): stages across types (any dp, each replica's stages alike) with
+an uneven layer split, or replicas across types (pp 1) with an uneven micro-batch split; tp 1,
+ZeRO 0, no recomputation or full recomputation.
+
+The search is bounded: two types at a time; data parallelism over the global batch's divisors;
+every free GPU of the faster type, and 1 up to every free GPU of the slower (a slow type's
+GPUs may cost more in bubbles and transfers than they add); the faster type first along the pipeline
+(its stage holds the embedding); micro-batches of 1, 2, 4 or 8, without recomputation or with
+full recomputation. Each candidate costs one MARP
+estimate and one step-time prediction (``step_time.predict_mixed_step``)."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterator
+from typing import NamedTuple
+
+from frenzy_prefect.allocator.space import divisors
+from frenzy_prefect.allocator.step_time import predict_mixed_step
+from frenzy_prefect.errors import FrenzyError
+from frenzy_prefect.memory.analytic import estimate, on_device
+from frenzy_prefect.spec.gpu import GpuType, MemoryMargin
+from frenzy_prefect.spec.layout import check_engine_plan
+from frenzy_prefect.spec.model import ModelSpec
+from frenzy_prefect.spec.plan import ParallelPlan
+from frenzy_prefect.spec.workload import Workload
+
+# A plan across types is worth choosing only when no single type's GPUs hold the job, or when it is
+# predicted at least this much faster than the best single-type plan: its cross-type transfers
+# are the step-time model's least certain part, and a mixed job ties two pools' GPUs together.
+MIXED_GAIN = 1.1
+MICRO_BATCHES = (1, 2, 4, 8)
+RECOMPUTES = ("none", "full")
+
+
+class MixedCandidate(NamedTuple):
+    plan: ParallelPlan
+    step_s: float
+    peaks: tuple[int, ...]  # each stage's (stage types) or replica's (replica types) predicted bytes on its type
+
+
+def worth_mixing(mixed_s: float, single_s: float | None) -> bool:
+    """Whether a mixed plan of step ``mixed_s`` beats the best fitting single-type plan's
+    ``single_s`` (None: none fits) by MIXED_GAIN."""
+    return single_s is None or single_s >= MIXED_GAIN * mixed_s
+
+
+def speed(gpu: GpuType, precision: str) -> float:
+    """A type's achievable throughput, FLOP/s."""
+    return (gpu.fp32_tflops if precision == "fp32" else gpu.half_tflops) * 1e12 * gpu.achievable_fraction
+
+
+def balanced(total: int, speeds: list[float]) -> tuple[int, ...]:
+    """``total`` whole units (layers, micro-batches) dealt to workers of ``speeds``, at least one
+    each, so that the slowest worker's time (units / speed) is least: each unit goes to the
+    worker that would finish it first."""
+    if total < len(speeds):
+        raise FrenzyError(f"{total} units cannot give each of {len(speeds)} parts one")
+    counts = [1] * len(speeds)
+    heap = [((1 + 1) / s, i) for i, s in enumerate(speeds)]
+    heapq.heapify(heap)
+    for _ in range(total - len(speeds)):
+        _, i = heapq.heappop(heap)
+        counts[i] += 1
+        heapq.heappush(heap, ((counts[i] + 1) / speeds[i], i))
+    return tuple(counts)
+
+
+def worker_peaks(model: ModelSpec, plan: ParallelPlan, work: Workload, gpus: dict[str, GpuType]) -> tuple[int, ...]:
+    """MARP's peak of each stage (``stage_types``) or replica (``replica_types``) on its own type:
+    its tensors with its own layers and micro-batches in flight, and its type's runtime around them."""
+    tensors = estimate(model, plan, work)
+    if plan.stage_types:
+        return tuple(on_device(s.total, plan, gpus[t]) for s, t in zip(tensors.per_stage, plan.stage_types, strict=True))
+    return tuple(on_device(tensors.peak_bytes, plan, gpus[t]) for t in plan.replica_types)
+
+
+def _room(model: ModelSpec, plan: ParallelPlan, work: Workload, gpus: dict[str, GpuType], margin: MemoryMargin) -> tuple[int, ...]:
+    """What each stage or replica leaves of its type's memory less margin (negative: its shortfall)."""
+    types = plan.stage_types or plan.replica_types
+    peaks = worker_peaks(model, plan, work, gpus)
+    return tuple(gpus[t].memory_bytes - margin.bytes_for(gpus[t].memory_bytes) - p for t, p in zip(types, peaks, strict=True))
+
+
+def fit_layers(model: ModelSpec, plan: ParallelPlan, work: Workload, gpus: dict[str, GpuType], margin: MemoryMargin) -> ParallelPlan | None:
+    """``plan`` (with ``stage_types``) with its layers split by its stages' speeds, then moved a
+    layer at a time from a stage that does not fit to the one with the most room; None when no
+    split fits."""
+    split = list(balanced(model.layers, [speed(gpus[t], work.precision) for t in plan.stage_types]))
+    for _ in range(model.layers * plan.pp):  # each move lowers the largest shortfall's stage: bounded
+        candidate = plan.model_copy(update={"stage_layers": tuple(split)})
+        room = _room(model, candidate, work, gpus, margin)
+        if min(room) >= 0:
+            return candidate
+        short = room.index(min(room))
+        takers = [s for s in range(plan.pp) if s != short and room[s] > 0]
+        if split[short] == 1 or not takers:
+            return None
+        split[short] -= 1
+        split[max(takers, key=lambda s: room[s])] += 1
+    return None
+
+
+def mixed_candidates(
+    model: ModelSpec, work: Workload, free: dict[str, tuple[GpuType, int]], margin: MemoryMargin, network_gbps: float
+) -> list[MixedCandidate]:
+    """Every fitting plan of the bounded search over two of ``free``'s types (name -> (type, free
+    GPUs)), fastest first."""
+    out: list[MixedCandidate] = []
+    gpus = {name: gpu for name, (gpu, _) in free.items()}
+    by_speed = sorted(free, key=lambda n: -speed(free[n][0], work.precision))
+    for i, fast in enumerate(by_speed):
+        for slow in by_speed[i + 1 :]:
+            for plan in _shapes(model, work, {name: free[name] for name in (fast, slow)}):
+                if plan.stage_types:
+                    plan = fit_layers(model, plan, work, gpus, margin)
+                    if plan is None:
+                        continue
+                elif min(_room(model, plan, work, gpus, margin)) < 0:
+                    continue
+                step = predict_mixed_step(model, plan, work, gpus=gpus, network_gbps=network_gbps).seconds
+                out.append(MixedCandidate(plan, step, worker_peaks(model, plan, work, gpus)))
+    return sorted(out, key=lambda c: (c.step_s, c.plan.gpus))
+
+
+def _shapes(model: ModelSpec, work: Workload, pair: dict[str, tuple[GpuType, int]]) -> Iterator[ParallelPlan]:
+    """The searched plans over the two types of ``pair`` (faster first; name -> (type, free
+    GPUs)), before fitting: stages across them (each replica alike), or replicas across them
+    (micro-batches dealt by speed)."""
+    (fast, (fast_gpu, fast_free)), (slow, (slow_gpu, slow_free)) = pair.items()
+    weight = {fast: speed(fast_gpu, work.precision), slow: speed(slow_gpu, work.precision)}
+    for recompute, micro_batch in itertools.product(RECOMPUTES, (m for m in MICRO_BATCHES if work.global_batch % m == 0)):
+        samples = work.global_batch // micro_batch  # micro-batches per step, over every replica
+        for dp in (d for d in divisors(samples) if d <= min(fast_free, slow_free)):
+            fast_stages = min(fast_free // dp, model.layers - 1)  # every fast GPU: the slow ones are what may not pay
+            for slow_stages in range(1, min(slow_free // dp, model.layers - fast_stages) + 1):
+                types = (fast,) * fast_stages + (slow,) * slow_stages
+                yield from _runs(model, work, dp=dp, pp=len(types), micro_batch=micro_batch, recompute=recompute, stage_types=types)
+        fast_replicas = min(fast_free, samples - 1)
+        for slow_replicas in range(1, min(slow_free, samples - fast_replicas) + 1):
+            types = (fast,) * fast_replicas + (slow,) * slow_replicas
+            counts = balanced(samples, [weight[t] for t in types])
+            fields = {"replica_types": types, "replica_micro_batches": counts}
+            yield from _runs(model, work, dp=len(types), micro_batch=micro_batch, recompute=recompute, **fields)
+
+
+def _runs(model: ModelSpec, work: Workload, **fields) -> Iterator[ParallelPlan]:
+    """The plan of ``fields``, if the engine trains it."""
+    plan = ParallelPlan(**fields)
+    try:
+        check_engine_plan(model, plan, work.precision, work.master_weights)
+    except FrenzyError:
+        return
+    yield plan

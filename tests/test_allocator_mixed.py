@@ -1,0 +1,104 @@
+"""Plans across GPU types (issue 31; allocator/mixed.py, step_time.predict_mixed_step): the split
+by speed under memory, the bounded search, and the goals the issue sets, by prediction. The
+engine training such plans is tests/test_mixed.py."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from frenzy_prefect.allocator.mixed import balanced, fit_layers, mixed_candidates, speed, worker_peaks, worth_mixing
+from frenzy_prefect.allocator.plans import candidate_plans
+from frenzy_prefect.allocator.step_time import predict_mixed_step, predict_step
+from frenzy_prefect.errors import NoFeasiblePlan
+from frenzy_prefect.profiling.model import PRESETS
+from frenzy_prefect.spec.catalog import GPU_CATALOG
+from frenzy_prefect.spec.cluster import ClusterSpec
+from frenzy_prefect.spec.gpu import MemoryMargin
+from frenzy_prefect.spec.plan import ParallelPlan
+from frenzy_prefect.spec.request import TrainingRequest
+
+NETWORK_GBPS = 12.5  # 100 Gb/s between nodes
+
+
+def request(model: str, global_batch: int, precision: str) -> TrainingRequest:
+    return TrainingRequest(model=model, dataset="s3://b/d", global_batch=global_batch, seq_len=1024, steps=100, precision=precision)
+
+
+def cluster(**free: int) -> ClusterSpec:
+    nodes = [{"name": f"{t}-{i}", "host": "h", "gpu_type": t, "gpu_count": 1} for t, n in free.items() for i in range(n)]
+    return ClusterSpec(name="mixed", nodes=nodes, network_gbps=NETWORK_GBPS)
+
+
+def best_single_s(model: str, req: TrainingRequest, gpu_type: str, count: int) -> float | None:
+    """The allocator's fastest fitting plan on ``count`` GPUs of one type alone, or None."""
+    try:
+        fitting = [c for c in candidate_plans(PRESETS[model], req, cluster(**{gpu_type: count})) if c.fits]
+    except NoFeasiblePlan:
+        return None
+    return fitting[0].step_time_s if fitting else None
+
+
+def best_mixed(model: str, req: TrainingRequest, **free: int):
+    found = mixed_candidates(PRESETS[model], req.workload, {t: (GPU_CATALOG[t], n) for t, n in free.items()}, MemoryMargin(), NETWORK_GBPS)
+    return found[0] if found else None
+
+
+@pytest.mark.parametrize(("total", "speeds"), [(7, [3.0, 1.0]), (10, [1.0, 1.0, 1.0]), (9, [5.0, 2.0, 1.0])])
+def test_balanced_deals_the_units_so_the_slowest_worker_is_least_slow(total, speeds):
+    counts = balanced(total, speeds)
+    assert sum(counts) == total and min(counts) >= 1
+    best = min(
+        max(c / s for c, s in zip(split, speeds, strict=True))
+        for split in itertools.product(range(1, total + 1), repeat=len(speeds))
+        if sum(split) == total
+    )
+    assert max(c / s for c, s in zip(counts, speeds, strict=True)) == pytest.approx(best)
+
+
+def test_one_type_named_on_every_stage_predicts_what_the_single_type_model_does():
+    model, work = PRESETS["gpt2-xl"], request("gpt2-xl", 64, "bf16").workload
+    plan = ParallelPlan(dp=4, pp=2, micro_batch=4)
+    mixed = plan.model_copy(update={"stage_types": ("A100-40GB", "A100-40GB")})
+    expected = predict_step(model, plan, work, gpu=GPU_CATALOG["A100-40GB"], network_gbps=NETWORK_GBPS).seconds
+    assert predict_mixed_step(model, mixed, work, gpus=GPU_CATALOG, network_gbps=NETWORK_GBPS).seconds == pytest.approx(expected)
+
+
+def test_a_job_that_fits_neither_types_free_gpus_alone_fits_across_them():
+    # gpt2-xl in fp32 with Adam: about 25 GB of model states, more than a free A10 or T4 holds.
+    req = request("gpt2-xl", 16, "fp32")
+    assert best_single_s("gpt2-xl", req, "A10", 1) is None and best_single_s("gpt2-xl", req, "T4", 1) is None
+    found = best_mixed("gpt2-xl", req, A10=1, T4=1)
+    assert found is not None and found.plan.stage_types == ("A10", "T4") and worth_mixing(found.step_s, None)
+    a10, t4 = found.plan.stage_layers
+    assert a10 > t4  # the faster type holds more of the model
+
+
+def test_a_split_by_speed_that_does_not_fit_moves_layers_to_the_type_with_room():
+    model, work = PRESETS["gpt2-xl"], request("gpt2-xl", 16, "fp32").workload
+    plan = ParallelPlan(pp=2, micro_batch=1, recompute="full", stage_types=("A10", "T4"))
+    by_speed = balanced(model.layers, [speed(GPU_CATALOG[t], "fp32") for t in plan.stage_types])
+    fitted = fit_layers(model, plan, work, GPU_CATALOG, MemoryMargin())
+    assert fitted is not None and fitted.stage_layers != by_speed and fitted.stage_layers[1] > by_speed[1]
+    for gpu_type, peak in zip(fitted.stage_types, worker_peaks(model, fitted, work, GPU_CATALOG), strict=True):
+        memory = GPU_CATALOG[gpu_type].memory_bytes
+        assert peak <= memory - MemoryMargin().bytes_for(memory)
+
+
+def test_where_two_types_are_balanced_a_mixed_plan_is_predicted_at_least_1_2x_faster():
+    # 2 A100-40GB and 6 A10: about 280 and 260 dense bf16 TFLOP/s at their achievable fractions.
+    req = request("gpt2-xl", 64, "bf16")
+    single = min(s for s in (best_single_s("gpt2-xl", req, "A100-40GB", 2), best_single_s("gpt2-xl", req, "A10", 6)) if s)
+    found = best_mixed("gpt2-xl", req, **{"A100-40GB": 2, "A10": 6})
+    assert found is not None and single >= 1.2 * found.step_s, (found.plan.label(), found.step_s, single)
+    assert worth_mixing(found.step_s, single)
+
+
+def test_a_mixed_plan_is_not_worth_it_where_a_single_type_is_about_as_fast():
+    # gpt2-large fits one A10; adding a T4 is predicted about 1% faster, within the model's doubt.
+    req = request("gpt2-large", 16, "fp32")
+    single = best_single_s("gpt2-large", req, "A10", 1)
+    found = best_mixed("gpt2-large", req, A10=1, T4=1)
+    assert single is not None and found is not None and found.step_s < single
+    assert not worth_mixing(found.step_s, single)
