@@ -1,6 +1,6 @@
 """Plans across GPU types (issue 31; allocator/mixed.py, step_time.predict_mixed_step): the split
-by speed under memory, the bounded search, and the goals the issue sets, by prediction. The
-engine training such plans is tests/test_mixed.py."""
+by speed under memory, the bounded search, and the goals the issue sets, by prediction, on the
+scenarios of benchmarks/mixed_plans.py. The engine training such plans is tests/test_mixed.py."""
 
 from __future__ import annotations
 
@@ -8,41 +8,18 @@ import itertools
 
 import pytest
 
-from frenzy_prefect.allocator.mixed import balanced, fit_layers, mixed_candidates, speed, worker_peaks, worth_mixing
-from frenzy_prefect.allocator.plans import candidate_plans
+from benchmarks.mixed_plans import NETWORK_GBPS, best_mixed, best_single, request
+from frenzy_prefect.allocator.mixed import balanced, fit_layers, speed, worker_peaks, worth_mixing
 from frenzy_prefect.allocator.step_time import predict_mixed_step, predict_step
-from frenzy_prefect.errors import NoFeasiblePlan
 from frenzy_prefect.profiling.model import PRESETS
 from frenzy_prefect.spec.catalog import GPU_CATALOG
-from frenzy_prefect.spec.cluster import ClusterSpec
 from frenzy_prefect.spec.gpu import MemoryMargin
 from frenzy_prefect.spec.plan import ParallelPlan
-from frenzy_prefect.spec.request import TrainingRequest
-
-NETWORK_GBPS = 12.5  # 100 Gb/s between nodes
 
 
-def request(model: str, global_batch: int, precision: str) -> TrainingRequest:
-    return TrainingRequest(model=model, dataset="s3://b/d", global_batch=global_batch, seq_len=1024, steps=100, precision=precision)
-
-
-def cluster(**free: int) -> ClusterSpec:
-    nodes = [{"name": f"{t}-{i}", "host": "h", "gpu_type": t, "gpu_count": 1} for t, n in free.items() for i in range(n)]
-    return ClusterSpec(name="mixed", nodes=nodes, network_gbps=NETWORK_GBPS)
-
-
-def best_single_s(model: str, req: TrainingRequest, gpu_type: str, count: int) -> float | None:
-    """The allocator's fastest fitting plan on ``count`` GPUs of one type alone, or None."""
-    try:
-        fitting = [c for c in candidate_plans(PRESETS[model], req, cluster(**{gpu_type: count})) if c.fits]
-    except NoFeasiblePlan:
-        return None
-    return fitting[0].step_time_s if fitting else None
-
-
-def best_mixed(model: str, req: TrainingRequest, **free: int):
-    found = mixed_candidates(PRESETS[model], req.workload, {t: (GPU_CATALOG[t], n) for t, n in free.items()}, MemoryMargin(), NETWORK_GBPS)
-    return found[0] if found else None
+def best_single_s(model: str, req, gpu_type: str, count: int) -> float | None:
+    found = best_single(model, req, gpu_type, count)
+    return None if found is None else found.step_time_s
 
 
 @pytest.mark.parametrize(("total", "speeds"), [(7, [3.0, 1.0]), (10, [1.0, 1.0, 1.0]), (9, [5.0, 2.0, 1.0])])
