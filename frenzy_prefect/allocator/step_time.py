@@ -94,8 +94,8 @@ def predict_step(model: ModelSpec, plan: ParallelPlan, work: Workload, *, gpu: G
     compute *= 1 + (plan.pp - 1) / accumulation
     split = plan.layer_split(model.layers)
     compute *= max(split) * plan.pp / model.layers  # an uneven split runs at its largest stage's pace
-    counts = plan.replica_accumulation(work.global_batch)
-    compute *= max(counts) * plan.dp / sum(counts)  # and uneven replicas at the largest's
+    if plan.replica_micro_batches:  # and uneven replicas at the largest's
+        compute *= max(plan.replica_micro_batches) * plan.dp / sum(plan.replica_micro_batches)
 
     between = network_gbps or gpu.link_gbps
     stage_params = max(params for _, params, _ in stage_shapes(model, plan.tp, split))

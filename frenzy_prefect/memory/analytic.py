@@ -378,14 +378,15 @@ class PlanSearch:
         # the optimizer states (4 + states, both for the replica's share under ZeRO-1).
         self.weight_bytes = COMPUTE_BYTES[work.precision] if work.master_weights else FP32
         self.state_bytes = (FP32 if work.master_weights else 0) + self.optimizer_bytes
-        self._shared: dict[tuple[int, int, int, str], tuple[MicroBatchTerms, tuple[StageShape, ...]]] = {}
+        self._shared: dict[tuple[int, int | tuple[int, ...], int, str], tuple[MicroBatchTerms, tuple[StageShape, ...]]] = {}
 
     def shared(self, plan: ParallelPlan) -> tuple[MicroBatchTerms, tuple[StageShape, ...]]:
         """A micro-batch's terms and each stage's shape for ``plan``'s tp, pp, micro-batch and recomputation."""
-        key = (plan.tp, plan.layer_split(self.model.layers), plan.micro_batch, plan.recompute)
+        key = (plan.tp, plan.stage_layers or plan.pp, plan.micro_batch, plan.recompute)  # (the split only when uneven: this is hot)
         found = self._shared.get(key)
         if found is None:
-            found = self._shared[key] = shared_by_plans(self.model, *key, self.work)
+            split = plan.layer_split(self.model.layers)
+            found = self._shared[key] = shared_by_plans(self.model, plan.tp, split, plan.micro_batch, plan.recompute, self.work)
         return found
 
     def stage_peaks(
@@ -421,8 +422,10 @@ class PlanSearch:
         activations = max((*moments.before_grads, moments.block, moments.final_norm or (0, 0), moments.embedding or (0, 0)), key=sum)
         rebuild = (moments.ids, FP32 * params if rebuilds else 0)
         # ZeRO-1: each data-parallel rank updates its share of the tensors; the worst share decides.
-        split = plan.layer_split(self.model.layers)
-        shares = optimizer_shares(self.model, plan.tp, split, plan.dp, stage) if plan.zero == 1 else ((params, shape.largest),)
+        if plan.zero == 1:
+            shares = optimizer_shares(self.model, plan.tp, plan.layer_split(self.model.layers), plan.dp, stage)
+        else:
+            shares = ((params, shape.largest),)
         worst: Breakdown = (0, 0, 0, 0, 0)
         for owned, owned_largest in shares:
             step = (moments.ids, adam_temporaries(owned if self.on_gpu else owned_largest, self.optimizer_bytes, self.on_gpu))
@@ -446,8 +449,7 @@ def shared_by_plans(
 ) -> tuple[MicroBatchTerms, tuple[StageShape, ...]]:
     """What every plan of this (tp, layers per stage, micro-batch, recomputation) shares: a
     micro-batch's terms and each stage's shape (what ``PlanSearch.shared`` keeps per search)."""
-    check_tp(model, tp)
-    check_plan(model, ParallelPlan(tp=tp, pp=len(split), stage_layers=split))
+    check_tp(model, tp)  # (a split is checked where it is made: ParallelPlan.layer_split, check_plan)
     terms = micro_batch_terms(model, tp, micro_batch, recompute, work)
     shape = ParallelPlan(tp=tp, pp=len(split))
     return terms, tuple(

@@ -104,25 +104,27 @@ class ParallelPlan(BaseModel):
 
     def accumulation(self, global_batch: int) -> int:
         """Micro-batches per replica per step: the most any replica runs (with an even split, each's)."""
-        return max(self.replica_accumulation(global_batch))
-
-    def replica_accumulation(self, global_batch: int) -> tuple[int, ...]:
-        """Micro-batches of each replica per step."""
         if self.replica_micro_batches is not None:
-            counts, total = self.replica_micro_batches, sum(self.replica_micro_batches) * self.micro_batch
-            if total != global_batch:
-                split = "+".join(map(str, counts))
-                raise FrenzyError(
-                    f"replica_micro_batches ({split}) x micro_batch ({self.micro_batch}) = {total} samples, "
-                    f"not the global_batch ({global_batch}): give counts that add up to {global_batch // self.micro_batch}"
-                )
-            return counts
-        per_step = self.dp * self.micro_batch
+            return max(self.replica_accumulation(global_batch))
+        per_step = self.dp * self.micro_batch  # (the plan search asks this of every plan: no tuple)
         if global_batch % per_step:
             raise FrenzyError(
                 f"global_batch ({global_batch}) must be divisible by dp * micro_batch ({self.dp} * {self.micro_batch} = {per_step})"
             )
-        return (global_batch // per_step,) * self.dp
+        return global_batch // per_step
+
+    def replica_accumulation(self, global_batch: int) -> tuple[int, ...]:
+        """Micro-batches of each replica per step."""
+        if self.replica_micro_batches is None:
+            return (self.accumulation(global_batch),) * self.dp
+        counts, total = self.replica_micro_batches, sum(self.replica_micro_batches) * self.micro_batch
+        if total != global_batch:
+            split = "+".join(map(str, counts))
+            raise FrenzyError(
+                f"replica_micro_batches ({split}) x micro_batch ({self.micro_batch}) = {total} samples, "
+                f"not the global_batch ({global_batch}): give counts that add up to {global_batch // self.micro_batch}"
+            )
+        return counts
 
     def coordinates(self, rank: int) -> tuple[int, int, int]:
         """(pipeline stage, data-parallel replica, tensor-parallel rank) of a global rank; ranks
