@@ -101,6 +101,25 @@ def test_plan_json_chooses_a_placement_on_the_example_cluster():
     assert first["spare_bytes"] == first["gpu_memory_bytes"] - first["margin_bytes"] - first["peak_bytes"]
 
 
+def test_plan_mixed_shows_plans_across_two_types_and_whether_each_beats_the_chosen_one(tmp_path):
+    three_types = str(ROOT / "examples" / "clusters" / "three-types-64.yaml")
+    args = ["--global-batch", "64", "--seq-len", "1024", "--precision", "fp32", "--cluster", three_types, "--mixed", "--top", "3"]
+    data = json.loads(frenzy("plan", "gpt2-xl", *args, "--json").stdout)
+    chosen, first = data["chosen"], data["mixed"][0]
+    assert chosen["gpu_type"] == "A100-80GB" and set(first["plan"]["stage_types"]) == {"A100-80GB", "V100-32GB"}
+    assert first["worth_mixing"] and chosen["step_time_s"] >= 1.1 * first["step_time_s"]
+    assert sum(first["plan"]["stage_layers"]) == 48 and len(first["peak_bytes"]) == first["plan"]["pp"]
+    # Where one type cannot hold the job at all, the plans across types are the answer, not an error.
+    tiny = tmp_path / "a10-t4.yaml"
+    tiny.write_text("name: a10-t4\nnetwork_gbps: 12.5\nnodes:\n  - {name: a, host: a, gpu_type: A10, gpu_count: 1}\n"
+                    "  - {name: t, host: t, gpu_type: T4, gpu_count: 1}\n")  # fmt: skip
+    small = ["--global-batch", "16", "--seq-len", "1024", "--precision", "fp32", "--cluster", str(tiny)]
+    out = frenzy("plan", "gpt2-xl", *small, "--mixed")
+    assert out.returncode == 0, out.stderr
+    assert "across types" in out.stdout and "no plan on one type fits" in " ".join(out.stdout.split())
+    assert frenzy("plan", "gpt2-xl", *small).returncode != 0
+
+
 def test_plan_for_recycle_offers_only_the_pipelines_it_can_keep_running_or_says_what_is_missing():
     common = ["plan", "gpt-nano", "--global-batch", "16", "--seq-len", "64", "--precision", "fp32", "--resilience", "recycle"]
     out = frenzy(*common, "--cluster", str(ROOT / "blocks" / "local-recycle.yaml"), "--json")

@@ -36,6 +36,9 @@ def plan(
     objective: str = typer.Option("time", "--objective", help="time (the fastest plan) or cost (the cheapest: needs prices)."),
     deadline_hours: float | None = typer.Option(None, "--deadline-hours", help="Only plans predicted to finish the steps in time."),
     top: int = typer.Option(10, "--top", min=1, help="How many ranked plans to show."),
+    mixed: bool = typer.Option(
+        False, "--mixed", help="Also the plans across two GPU types (predicted; the scheduler does not run them yet: issue 31)."
+    ),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """HAS on an idle cluster: the ranked feasible plans (MARP) and the chosen placement."""
@@ -59,17 +62,74 @@ def plan(
         objective=objective,
         deadline_hours=deadline_hours,
     )
+    from frenzy_prefect.errors import NoFeasiblePlan
+
     state = ClusterState.idle(ClusterSpec.from_file(cluster))
-    candidates = allocator.candidate_plans(spec, request, state.cluster)
-    chosen = allocator.allocate(candidates, state)
+    across = mixed_plans(spec, request, state.cluster)[:top] if mixed else None
+    try:
+        candidates = allocator.candidate_plans(spec, request, state.cluster)
+        chosen = allocator.allocate(candidates, state)
+    except NoFeasiblePlan:
+        if not across:  # without plans across types to show instead, the reason is the answer
+            raise
+        candidates, chosen = [], None
     ranked = [c for c in candidates if c.fits][:top]
+    single_s = chosen.step_time_s if chosen else None
     if as_json:
-        echo_json(plans_json(ranked, chosen))
+        echo_json(plans_json(ranked, chosen) | ({} if across is None else {"mixed": mixed_json(across, single_s)}))
         return
-    print_plans(f"{model}, global batch {global_batch} x {seq_len} tokens, on {state.cluster.name}", state.cluster, ranked, chosen, steps)
+    title = f"{model}, global batch {global_batch} x {seq_len} tokens, on {state.cluster.name}"
+    if chosen:
+        print_plans(title, state.cluster, ranked, chosen, steps)
+    if across is not None:
+        print_mixed(title, across, single_s)
 
 
-def plans_json(ranked: list[PlanCandidate], chosen: Allocation) -> dict:
+def mixed_plans(spec, request, cluster: ClusterSpec) -> list:
+    """The bounded search across two of the cluster's types, every GPU of each free."""
+    from frenzy_prefect.allocator.mixed import mixed_candidates
+    from frenzy_prefect.allocator.plans import gpu_kinds
+
+    free = {name: (gpu, total) for name, (gpu, total, _) in gpu_kinds(cluster).items()}
+    return mixed_candidates(spec, request.workload, free, cluster.memory_margin, cluster.network_gbps)
+
+
+def mixed_json(found: list, single_s: float | None) -> list[dict]:
+    """`frenzy plan --mixed --json`: each plan across types, its predicted step and peaks, and whether it beats ``single_s``."""
+    from frenzy_prefect.allocator.mixed import worth_mixing
+
+    return [
+        {
+            "plan": c.plan.model_dump(),
+            "step_time_s": c.step_s,
+            "peak_bytes": list(c.peaks),
+            "worth_mixing": worth_mixing(c.step_s, single_s),
+        }
+        for c in found
+    ]
+
+
+def print_mixed(title: str, found: list, single_s: float | None) -> None:
+    """The plans across types, each with whether it beats the chosen single-type plan by MIXED_GAIN."""
+    from collections import Counter
+
+    from frenzy_prefect.allocator.mixed import MIXED_GAIN, worth_mixing
+
+    against = "no plan on one type fits" if single_s is None else f"the chosen plan's step: {duration(single_s)}"
+    table = plain_table(caption=f"across two GPU types (predicted; worth it: {MIXED_GAIN:g}x faster than {against})")
+    for column in ("#", "GPUs", "plan", "layers or batches", "step", "worth it"):
+        table.add_column(column, justify="left" if column in ("GPUs", "plan", "layers or batches") else "right")
+    for i, c in enumerate(found, 1):
+        p = c.plan
+        types = p.stage_types or p.replica_types
+        per = p.dp * p.tp if p.stage_types else p.tp
+        gpus = " + ".join(f"{n * per} x {t}" for t, n in Counter(types).items())
+        split = "/".join(map(str, p.stage_layers or p.replica_micro_batches or ()))
+        table.add_row(str(i), gpus, compact_plan(p), split, duration(c.step_s), "yes" if worth_mixing(c.step_s, single_s) else "no")
+    print_table(f"{title}, across types", table)
+
+
+def plans_json(ranked: list[PlanCandidate], chosen: Allocation | None) -> dict:
     """`frenzy plan --json`: the ranked fitting plans and the chosen placement (a contract: docs/architecture.md)."""
     plans = [
         {
@@ -86,7 +146,7 @@ def plans_json(ranked: list[PlanCandidate], chosen: Allocation) -> dict:
         }
         for c in ranked
     ]
-    return {"plans": plans, "chosen": chosen.model_dump(mode="json")}
+    return {"plans": plans, "chosen": None if chosen is None else chosen.model_dump(mode="json")}
 
 
 def compact_plan(p: ParallelPlan) -> str:
