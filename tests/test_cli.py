@@ -117,7 +117,8 @@ def test_plan_mixed_shows_plans_across_two_types_and_whether_each_beats_the_chos
     out = frenzy("plan", "gpt2-xl", *small, "--mixed")
     assert out.returncode == 0, out.stderr
     assert "across types" in out.stdout and "no plan on one type fits" in " ".join(out.stdout.split())
-    assert frenzy("plan", "gpt2-xl", *small).returncode != 0
+    refused = frenzy("plan", "gpt2-xl", *small)
+    assert refused.returncode != 0 and "across GPU types a plan would fit: dp=1 tp=1 pp=2" in refused.stderr, refused.stderr
 
 
 def test_plan_for_recycle_offers_only_the_pipelines_it_can_keep_running_or_says_what_is_missing():

@@ -19,15 +19,17 @@ estimate and one step-time prediction (``step_time.predict_mixed_step``)."""
 
 from __future__ import annotations
 
-import heapq
 import itertools
+import math
 from collections.abc import Iterator
 from typing import NamedTuple
 
-from frenzy_prefect.allocator.space import divisors
+from frenzy_prefect.allocator.plans import gpu_kinds
+from frenzy_prefect.allocator.space import MAX_PLANS, divisors
 from frenzy_prefect.allocator.step_time import predict_mixed_step
-from frenzy_prefect.errors import FrenzyError
+from frenzy_prefect.errors import FrenzyError, NoFeasiblePlan
 from frenzy_prefect.memory.analytic import estimate, on_device
+from frenzy_prefect.spec.cluster import ClusterSpec
 from frenzy_prefect.spec.gpu import GpuType, MemoryMargin
 from frenzy_prefect.spec.layout import check_engine_plan
 from frenzy_prefect.spec.model import ModelSpec
@@ -61,18 +63,24 @@ def speed(gpu: GpuType, precision: str) -> float:
 
 def balanced(total: int, speeds: list[float]) -> tuple[int, ...]:
     """``total`` whole units (layers, micro-batches) dealt to workers of ``speeds``, at least one
-    each, so that the slowest worker's time (units / speed) is least: each unit goes to the
-    worker that would finish it first."""
+    each, so that the slowest worker's time (units / speed) is least: the least time t at which
+    the workers could do ``total`` (each max(1, floor(t x speed))), found by bisection, then any
+    units beyond ``total`` taken back from the workers that would finish last."""
     if total < len(speeds):
         raise FrenzyError(f"{total} units cannot give each of {len(speeds)} parts one")
-    counts = [1] * len(speeds)
-    heap = [((1 + 1) / s, i) for i, s in enumerate(speeds)]
-    heapq.heapify(heap)
-    for _ in range(total - len(speeds)):
-        _, i = heapq.heappop(heap)
-        counts[i] += 1
-        heapq.heappush(heap, ((counts[i] + 1) / speeds[i], i))
-    return tuple(counts)
+
+    def counts(t: float) -> list[int]:
+        return [max(1, math.floor(t * s)) for s in speeds]
+
+    low, high = 0.0, total / min(speeds)  # at ``high`` the slowest alone could do them all
+    for _ in range(100):
+        middle = (low + high) / 2
+        low, high = (low, middle) if sum(counts(middle)) >= total else (middle, high)
+    dealt = counts(high)
+    for _ in range(sum(dealt) - total):
+        last = max((i for i in range(len(speeds)) if dealt[i] > 1), key=lambda i: dealt[i] / speeds[i])
+        dealt[last] -= 1
+    return tuple(dealt)
 
 
 def worker_peaks(model: ModelSpec, plan: ParallelPlan, work: Workload, gpus: dict[str, GpuType]) -> tuple[int, ...]:
@@ -118,46 +126,65 @@ def mixed_candidates(
     out: list[MixedCandidate] = []
     gpus = {name: gpu for name, (gpu, _) in free.items()}
     by_speed = sorted(free, key=lambda n: -speed(free[n][0], work.precision))
-    for i, fast in enumerate(by_speed):
-        for slow in by_speed[i + 1 :]:
-            for plan in _shapes(model, work, {name: free[name] for name in (fast, slow)}):
-                if plan.stage_types:
-                    plan = fit_layers(model, plan, work, gpus, margin)
-                    if plan is None:
-                        continue
-                elif min(_room(model, plan, work, gpus, margin)) < 0:
-                    continue
-                step = predict_mixed_step(model, plan, work, gpus=gpus, network_gbps=network_gbps).seconds
-                out.append(MixedCandidate(plan, step, worker_peaks(model, plan, work, gpus)))
+    pairs = [{name: free[name] for name in (fast, slow)} for i, fast in enumerate(by_speed) for slow in by_speed[i + 1 :]]
+    shapes = [fields for pair in pairs for fields in _shapes(model, work, pair)]
+    if len(shapes) > MAX_PLANS:
+        raise NoFeasiblePlan(
+            f"the search across GPU types for global_batch {work.global_batch:,} spans {len(shapes):,} plans, more than the "
+            f"{MAX_PLANS:,} it covers; use a global batch with fewer divisors, or fewer GPU types"
+        )
+    for fields in shapes:
+        if "replica_types" in fields:  # micro-batches dealt by speed
+            samples = work.global_batch // fields["micro_batch"]
+            fields["replica_micro_batches"] = balanced(samples, [speed(gpus[t], work.precision) for t in fields["replica_types"]])
+        plan = ParallelPlan(**fields)
+        try:
+            check_engine_plan(model, plan, work.precision, work.master_weights)
+        except FrenzyError:
+            continue
+        if plan.stage_types:
+            plan = fit_layers(model, plan, work, gpus, margin)
+            if plan is None:
+                continue
+        elif min(_room(model, plan, work, gpus, margin)) < 0:
+            continue
+        step = predict_mixed_step(model, plan, work, gpus=gpus, network_gbps=network_gbps).seconds
+        out.append(MixedCandidate(plan, step, worker_peaks(model, plan, work, gpus)))
     return sorted(out, key=lambda c: (c.step_s, c.plan.gpus))
 
 
-def _shapes(model: ModelSpec, work: Workload, pair: dict[str, tuple[GpuType, int]]) -> Iterator[ParallelPlan]:
+def _shapes(model: ModelSpec, work: Workload, pair: dict[str, tuple[GpuType, int]]) -> Iterator[dict]:
     """The searched plans over the two types of ``pair`` (faster first; name -> (type, free
-    GPUs)), before fitting: stages across them (each replica alike), or replicas across them
-    (micro-batches dealt by speed)."""
-    (fast, (fast_gpu, fast_free)), (slow, (slow_gpu, slow_free)) = pair.items()
-    weight = {fast: speed(fast_gpu, work.precision), slow: speed(slow_gpu, work.precision)}
+    GPUs)), as ParallelPlan fields, before they are checked and fitted: stages across the types
+    (each replica alike), or replicas across them."""
+    (fast, (_, fast_free)), (slow, (_, slow_free)) = pair.items()
     for recompute, micro_batch in itertools.product(RECOMPUTES, (m for m in MICRO_BATCHES if work.global_batch % m == 0)):
         samples = work.global_batch // micro_batch  # micro-batches per step, over every replica
+        common = {"micro_batch": micro_batch, "recompute": recompute}
         for dp in (d for d in divisors(samples) if d <= min(fast_free, slow_free)):
             fast_stages = min(fast_free // dp, model.layers - 1)  # every fast GPU: the slow ones are what may not pay
             for slow_stages in range(1, min(slow_free // dp, model.layers - fast_stages) + 1):
                 types = (fast,) * fast_stages + (slow,) * slow_stages
-                yield from _runs(model, work, dp=dp, pp=len(types), micro_batch=micro_batch, recompute=recompute, stage_types=types)
+                yield {"dp": dp, "pp": len(types), "stage_types": types, **common}
         fast_replicas = min(fast_free, samples - 1)
         for slow_replicas in range(1, min(slow_free, samples - fast_replicas) + 1):
-            types = (fast,) * fast_replicas + (slow,) * slow_replicas
-            counts = balanced(samples, [weight[t] for t in types])
-            fields = {"replica_types": types, "replica_micro_batches": counts}
-            yield from _runs(model, work, dp=len(types), micro_batch=micro_batch, recompute=recompute, **fields)
+            yield {"dp": fast_replicas + slow_replicas, "replica_types": (fast,) * fast_replicas + (slow,) * slow_replicas, **common}
 
 
-def _runs(model: ModelSpec, work: Workload, **fields) -> Iterator[ParallelPlan]:
-    """The plan of ``fields``, if the engine trains it."""
-    plan = ParallelPlan(**fields)
+def across_types_hint(model: ModelSpec, work: Workload, cluster: ClusterSpec) -> str | None:
+    """Where no plan on one of ``cluster``'s types fits: the fastest plan across two of its types
+    that would (every GPU free), in a sentence for the error, or None."""
+    kinds = gpu_kinds(cluster)
+    if len(kinds) < 2:
+        return None
+    free = {name: (gpu, total) for name, (gpu, total, _) in kinds.items()}
     try:
-        check_engine_plan(model, plan, work.precision, work.master_weights)
-    except FrenzyError:
-        return
-    yield plan
+        found = mixed_candidates(model, work, free, cluster.memory_margin, cluster.network_gbps)
+    except NoFeasiblePlan:  # a search too large to hint from
+        return None
+    if not found:
+        return None
+    return (
+        f"across GPU types a plan would fit: {found[0].plan.label()}, predicted {found[0].step_s:.3g} s a step "
+        "(`frenzy plan --mixed` shows them; the scheduler does not run plans across types yet)"
+    )

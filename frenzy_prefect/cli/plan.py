@@ -62,17 +62,26 @@ def plan(
         objective=objective,
         deadline_hours=deadline_hours,
     )
+    from frenzy_prefect.allocator.mixed import across_types_hint
     from frenzy_prefect.errors import NoFeasiblePlan
 
     state = ClusterState.idle(ClusterSpec.from_file(cluster))
     across = mixed_plans(spec, request, state.cluster)[:top] if mixed else None
     try:
         candidates = allocator.candidate_plans(spec, request, state.cluster)
-        chosen = allocator.allocate(candidates, state)
     except NoFeasiblePlan:
-        if not across:  # without plans across types to show instead, the reason is the answer
+        if not across:
             raise
-        candidates, chosen = [], None
+        candidates = []
+    chosen = None
+    if candidates:
+        try:
+            chosen = allocator.allocate(candidates, state)
+        except NoFeasiblePlan as nothing:  # plans on one type run, and none fits
+            if not across and not mixed and (hint := across_types_hint(spec, request.workload, state.cluster)):
+                raise NoFeasiblePlan(f"{nothing}; {hint}") from None
+            if not across:
+                raise
     ranked = [c for c in candidates if c.fits][:top]
     single_s = chosen.step_time_s if chosen else None
     if as_json:

@@ -13,6 +13,7 @@ from prefect.utilities.asyncutils import run_coro_as_sync
 
 from frenzy_prefect import allocator
 from frenzy_prefect.allocator.learning import Learned, applied, record_of
+from frenzy_prefect.allocator.mixed import across_types_hint
 from frenzy_prefect.blocks import load_cluster, save_node
 from frenzy_prefect.datasets.prepare import Prepared
 from frenzy_prefect.datasets.prepare import prepare as _prepare
@@ -174,6 +175,8 @@ def estimate_memory(model: ModelSpec, request: TrainingRequest, state: ClusterSt
         ),
     )
     get_run_logger().info(f"{fitting} of {len(candidates)} candidate plans fit their GPU type")
+    if not fitting and (hint := across_types_hint(model, request.workload, cluster)):
+        get_run_logger().warning(f"no plan on one GPU type fits; {hint}")
     return candidates
 
 
