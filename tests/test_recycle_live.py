@@ -263,22 +263,27 @@ def test_a_rank_away_past_the_horizon_leads_the_live_ranks_to_re_plan_smaller_an
     stopped: list[psutil.Process] = []
 
     def newest_plan() -> ParallelPlan | None:
-        found = next(intact_checkpoints(job.checkpoint_uri), None)
+        try:
+            found = next(intact_checkpoints(job.checkpoint_uri), None)
+        except FileNotFoundError:  # pruned while read (keep_checkpoints 1): the next look finds the newer one
+            return None
         return found[1].plan if found else None
 
     def away_until_replanned() -> None:
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and not stopped:
-            supervisor = next((p for p in psutil.Process().children(recursive=True) if is_supervisor(p, 3)), None)
-            if newest_plan() is not None and supervisor is not None and (trainer := trainer_of(3, 0)) is not None:
-                supervisor.send_signal(signal.SIGSTOP)
-                stopped.append(supervisor)
-                trainer.send_signal(signal.SIGKILL)
-            time.sleep(0.05)
-        while time.monotonic() < deadline and newest_plan() != smaller:
-            time.sleep(0.1)
-        for supervisor in stopped:
-            supervisor.send_signal(signal.SIGCONT)
+        try:
+            while time.monotonic() < deadline and not stopped:
+                supervisor = next((p for p in psutil.Process().children(recursive=True) if is_supervisor(p, 3)), None)
+                if newest_plan() is not None and supervisor is not None and (trainer := trainer_of(3, 0)) is not None:
+                    supervisor.send_signal(signal.SIGSTOP)
+                    stopped.append(supervisor)
+                    trainer.send_signal(signal.SIGKILL)
+                time.sleep(0.05)
+            while time.monotonic() < deadline and newest_plan() != smaller:
+                time.sleep(0.1)
+        finally:  # the node returns whatever happened here: a stopped supervisor would hold the job forever
+            for supervisor in stopped:
+                supervisor.send_signal(signal.SIGCONT)
 
     node = threading.Thread(target=away_until_replanned)
     node.start()
