@@ -56,9 +56,12 @@ def test_a_split_by_speed_that_does_not_fit_moves_layers_to_the_type_with_room()
     model, work = PRESETS["gpt2-xl"], request("gpt2-xl", 16, "fp32").workload
     plan = ParallelPlan(pp=2, micro_batch=1, recompute="full", stage_types=("A10", "T4"))
     by_speed = balanced(model.layers, [speed(GPU_CATALOG[t], "fp32") for t in plan.stage_types])
-    fitted = fit_layers(model, plan, work, GPU_CATALOG, MemoryMargin())
-    assert fitted is not None and fitted.stage_layers != by_speed and fitted.stage_layers[1] > by_speed[1]
-    for gpu_type, peak in zip(fitted.stage_types, worker_peaks(model, fitted, work, GPU_CATALOG), strict=True):
+    found = fit_layers(model, plan, work, GPU_CATALOG, MemoryMargin())
+    assert found is not None
+    fitted, peaks = found
+    assert fitted.stage_layers != by_speed and fitted.stage_layers[1] > by_speed[1]
+    assert peaks == worker_peaks(model, fitted, work, GPU_CATALOG)
+    for gpu_type, peak in zip(fitted.stage_types, peaks, strict=True):
         memory = GPU_CATALOG[gpu_type].memory_bytes
         assert peak <= memory - MemoryMargin().bytes_for(memory)
 

@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 from frenzy_prefect.allocator.plans import gpu_kinds
 from frenzy_prefect.allocator.space import MAX_PLANS, divisors
-from frenzy_prefect.allocator.step_time import predict_mixed_step
+from frenzy_prefect.allocator.step_time import peak_flops, predict_mixed_step
 from frenzy_prefect.errors import FrenzyError, NoFeasiblePlan
 from frenzy_prefect.memory.analytic import estimate, on_device
 from frenzy_prefect.spec.cluster import ClusterSpec
@@ -58,7 +58,7 @@ def worth_mixing(mixed_s: float, single_s: float | None) -> bool:
 
 def speed(gpu: GpuType, precision: str) -> float:
     """A type's achievable throughput, FLOP/s."""
-    return (gpu.fp32_tflops if precision == "fp32" else gpu.half_tflops) * 1e12 * gpu.achievable_fraction
+    return peak_flops(gpu, precision) * gpu.achievable_fraction
 
 
 def balanced(total: int, speeds: list[float]) -> tuple[int, ...]:
@@ -92,23 +92,26 @@ def worker_peaks(model: ModelSpec, plan: ParallelPlan, work: Workload, gpus: dic
     return tuple(on_device(tensors.peak_bytes, plan, gpus[t]) for t in plan.replica_types)
 
 
-def _room(model: ModelSpec, plan: ParallelPlan, work: Workload, gpus: dict[str, GpuType], margin: MemoryMargin) -> tuple[int, ...]:
-    """What each stage or replica leaves of its type's memory less margin (negative: its shortfall)."""
+def _room(plan: ParallelPlan, peaks: tuple[int, ...], gpus: dict[str, GpuType], margin: MemoryMargin) -> tuple[int, ...]:
+    """What each stage or replica (``peaks``: theirs) leaves of its type's memory less margin
+    (negative: its shortfall)."""
     types = plan.stage_types or plan.replica_types
-    peaks = worker_peaks(model, plan, work, gpus)
     return tuple(gpus[t].memory_bytes - margin.bytes_for(gpus[t].memory_bytes) - p for t, p in zip(types, peaks, strict=True))
 
 
-def fit_layers(model: ModelSpec, plan: ParallelPlan, work: Workload, gpus: dict[str, GpuType], margin: MemoryMargin) -> ParallelPlan | None:
+def fit_layers(
+    model: ModelSpec, plan: ParallelPlan, work: Workload, gpus: dict[str, GpuType], margin: MemoryMargin
+) -> tuple[ParallelPlan, tuple[int, ...]] | None:
     """``plan`` (with ``stage_types``) with its layers split by its stages' speeds, then moved a
-    layer at a time from a stage that does not fit to the one with the most room; None when no
-    split fits."""
+    layer at a time from a stage that does not fit to the one with the most room, and its
+    stages' peaks; None when no split fits."""
     split = list(balanced(model.layers, [speed(gpus[t], work.precision) for t in plan.stage_types]))
     for _ in range(model.layers * plan.pp):  # each move lowers the largest shortfall's stage: bounded
         candidate = plan.model_copy(update={"stage_layers": tuple(split)})
-        room = _room(model, candidate, work, gpus, margin)
+        peaks = worker_peaks(model, candidate, work, gpus)
+        room = _room(candidate, peaks, gpus, margin)
         if min(room) >= 0:
-            return candidate
+            return candidate, peaks
         short = room.index(min(room))
         takers = [s for s in range(plan.pp) if s != short and room[s] > 0]
         if split[short] == 1 or not takers:
@@ -143,13 +146,13 @@ def mixed_candidates(
         except FrenzyError:
             continue
         if plan.stage_types:
-            plan = fit_layers(model, plan, work, gpus, margin)
-            if plan is None:
+            if (fitted := fit_layers(model, plan, work, gpus, margin)) is None:
                 continue
-        elif min(_room(model, plan, work, gpus, margin)) < 0:
+            plan, peaks = fitted
+        elif min(_room(plan, peaks := worker_peaks(model, plan, work, gpus), gpus, margin)) < 0:
             continue
         step = predict_mixed_step(model, plan, work, gpus=gpus, network_gbps=network_gbps).seconds
-        out.append(MixedCandidate(plan, step, worker_peaks(model, plan, work, gpus)))
+        out.append(MixedCandidate(plan, step, peaks))
     return sorted(out, key=lambda c: (c.step_s, c.plan.gpus))
 
 
@@ -171,15 +174,17 @@ def _shapes(model: ModelSpec, work: Workload, pair: dict[str, tuple[GpuType, int
             yield {"dp": fast_replicas + slow_replicas, "replica_types": (fast,) * fast_replicas + (slow,) * slow_replicas, **common}
 
 
+def cluster_candidates(model: ModelSpec, work: Workload, cluster: ClusterSpec) -> list[MixedCandidate]:
+    """``mixed_candidates`` over ``cluster``'s types, every GPU free."""
+    free = {name: (gpu, total) for name, (gpu, total, _) in gpu_kinds(cluster).items()}
+    return mixed_candidates(model, work, free, cluster.memory_margin, cluster.network_gbps)
+
+
 def across_types_hint(model: ModelSpec, work: Workload, cluster: ClusterSpec) -> str | None:
     """Where no plan on one of ``cluster``'s types fits: the fastest plan across two of its types
     that would (every GPU free), in a sentence for the error, or None."""
-    kinds = gpu_kinds(cluster)
-    if len(kinds) < 2:
-        return None
-    free = {name: (gpu, total) for name, (gpu, total, _) in kinds.items()}
     try:
-        found = mixed_candidates(model, work, free, cluster.memory_margin, cluster.network_gbps)
+        found = cluster_candidates(model, work, cluster)  # (no pairs, no plans: one type)
     except NoFeasiblePlan:  # a search too large to hint from
         return None
     if not found:

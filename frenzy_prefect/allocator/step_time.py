@@ -59,6 +59,11 @@ def optimizer_step_s(updated_parameters: float, gpu: GpuType) -> float:
     return OPTIMIZER_BYTES_MOVED * updated_parameters / (gpu.memory_bandwidth_gbps * 1e9)
 
 
+def peak_flops(gpu: GpuType, precision: str) -> float:
+    """The dense peak a workload of ``precision`` runs at: the fp32 peak, else the half-precision tensor peak."""
+    return (gpu.fp32_tflops if precision == "fp32" else gpu.half_tflops) * 1e12
+
+
 def saturation(tokens: float) -> float:
     """The fraction of peak a micro-batch of ``tokens`` per rank keeps busy."""
     return tokens / (tokens + SATURATION_TOKENS)
@@ -88,7 +93,7 @@ def predict_step(model: ModelSpec, plan: ParallelPlan, work: Workload, *, gpu: G
     when it fits in one."""
     accumulation = plan.accumulation(work.global_batch)
     seq_len = work.seq_len
-    peak = (gpu.fp32_tflops if work.precision == "fp32" else gpu.half_tflops) * 1e12
+    peak = peak_flops(gpu, work.precision)
     per_rank_tokens = plan.micro_batch * seq_len / plan.tp
     compute = work.tokens * flops_per_token(model, seq_len, plan.recompute) / (plan.gpus * peak * saturation(per_rank_tokens))
     compute *= 1 + (plan.pp - 1) / accumulation
@@ -126,8 +131,7 @@ def predict_mixed_step(model: ModelSpec, plan: ParallelPlan, work: Workload, *, 
     micro_flops = plan.micro_batch * work.seq_len * flops_per_token(model, work.seq_len, plan.recompute) / plan.tp
 
     def speed(gpu: GpuType) -> float:
-        peak = gpu.fp32_tflops if work.precision == "fp32" else gpu.half_tflops
-        return peak * 1e12 * gpu.achievable_fraction * saturation(per_rank_tokens)
+        return peak_flops(gpu, work.precision) * gpu.achievable_fraction * saturation(per_rank_tokens)
 
     compute = max(
         (m + plan.pp - 1) * max(micro_flops * layers / model.layers / speed(gpu) for layers, gpu in zip(split, row, strict=True))

@@ -62,11 +62,11 @@ def plan(
         objective=objective,
         deadline_hours=deadline_hours,
     )
-    from frenzy_prefect.allocator.mixed import across_types_hint
+    from frenzy_prefect.allocator.mixed import across_types_hint, cluster_candidates
     from frenzy_prefect.errors import NoFeasiblePlan
 
     state = ClusterState.idle(ClusterSpec.from_file(cluster))
-    across = mixed_plans(spec, request, state.cluster)[:top] if mixed else None
+    across = cluster_candidates(spec, request.workload, state.cluster)[:top] if mixed else None
     try:
         candidates = allocator.candidate_plans(spec, request, state.cluster)
     except NoFeasiblePlan:
@@ -78,9 +78,11 @@ def plan(
         try:
             chosen = allocator.allocate(candidates, state)
         except NoFeasiblePlan as nothing:  # plans on one type run, and none fits
-            if not across and not mixed and (hint := across_types_hint(spec, request.workload, state.cluster)):
+            if across:
+                pass  # the plans across types are the answer
+            elif not mixed and (hint := across_types_hint(spec, request.workload, state.cluster)):
                 raise NoFeasiblePlan(f"{nothing}; {hint}") from None
-            if not across:
+            else:
                 raise
     ranked = [c for c in candidates if c.fits][:top]
     single_s = chosen.step_time_s if chosen else None
@@ -92,15 +94,6 @@ def plan(
         print_plans(title, state.cluster, ranked, chosen, steps)
     if across is not None:
         print_mixed(title, across, single_s)
-
-
-def mixed_plans(spec, request, cluster: ClusterSpec) -> list:
-    """The bounded search across two of the cluster's types, every GPU of each free."""
-    from frenzy_prefect.allocator.mixed import mixed_candidates
-    from frenzy_prefect.allocator.plans import gpu_kinds
-
-    free = {name: (gpu, total) for name, (gpu, total, _) in gpu_kinds(cluster).items()}
-    return mixed_candidates(spec, request.workload, free, cluster.memory_margin, cluster.network_gbps)
 
 
 def mixed_json(found: list, single_s: float | None) -> list[dict]:

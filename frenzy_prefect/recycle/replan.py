@@ -51,7 +51,7 @@ def smaller_layout(job: TrainingJob, live: int, rerouted_share: float) -> Replan
     best: Replan | None = None
     for dp in divisors(live):
         smaller = ParallelPlan(dp=dp, pp=live // dp, micro_batch=plan.micro_batch, recompute=plan.recompute)
-        if smaller == plan or job.request.global_batch % (dp * plan.micro_batch):
+        if job.request.global_batch % (dp * plan.micro_batch):
             continue
         try:
             check_engine_plan(model, smaller, work.precision, work.master_weights)

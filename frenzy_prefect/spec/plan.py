@@ -72,31 +72,29 @@ class ParallelPlan(BaseModel):
     def _within_max_gpus(self) -> ParallelPlan:
         if self.gpus > MAX_GPUS:
             raise ValueError(f"dp x tp x pp = {self.dp} x {self.tp} x {self.pp} = {self.gpus:,} GPUs; a plan has at most {MAX_GPUS:,} GPUs")
-        if self.stage_layers is not None and len(self.stage_layers) != self.pp:
-            raise ValueError(f"stage_layers gives {len(self.stage_layers)} stages' layers and pp is {self.pp}: give one count per stage")
-        if self.replica_micro_batches is not None and len(self.replica_micro_batches) != self.dp:
-            given = len(self.replica_micro_batches)
-            raise ValueError(f"replica_micro_batches gives {given} replicas' micro-batches and dp is {self.dp}: give one count per replica")
-        if self.stage_types is not None and len(self.stage_types) != self.pp:
-            raise ValueError(f"stage_types gives {len(self.stage_types)} stages' types and pp is {self.pp}: give one type per stage")
-        if self.replica_types is not None and len(self.replica_types) != self.dp:
-            raise ValueError(
-                f"replica_types gives {len(self.replica_types)} replicas' types and dp is {self.dp}: give one type per replica"
-            )
+        for name, values, size, axis in (
+            ("stage_layers", self.stage_layers, self.pp, "stage"),
+            ("replica_micro_batches", self.replica_micro_batches, self.dp, "replica"),
+            ("stage_types", self.stage_types, self.pp, "stage"),
+            ("replica_types", self.replica_types, self.dp, "replica"),
+        ):
+            if values is not None and len(values) != size:
+                degree = "pp" if axis == "stage" else "dp"
+                raise ValueError(f"{name} gives {len(values)} values and {degree} is {size}: give one per {axis}")
         if self.stage_types is not None and self.replica_types is not None:
             raise ValueError("a plan gives stage_types or replica_types, not both: its types differ along the pipeline or across replicas")
         return self
-
-    @property
-    def mixed(self) -> bool:
-        """Whether the plan spans GPU types."""
-        return len(set(self.stage_types or self.replica_types or ())) > 1
 
     def layer_split(self, layers: int) -> tuple[int, ...]:
         """Layers of each stage of a model of ``layers`` layers."""
         if self.pp > layers:
             raise FrenzyError(f"pp ({self.pp}) must not exceed the number of layers ({layers}); accepted: 1..{layers}")
-        return self.stage_layers or even_layers(layers, self.pp)
+        if self.stage_layers is None:
+            return even_layers(layers, self.pp)
+        if sum(self.stage_layers) != layers:
+            split = "+".join(map(str, self.stage_layers))
+            raise FrenzyError(f"stage_layers ({split} = {sum(self.stage_layers)}) must add up to the model's {layers} layers")
+        return self.stage_layers
 
     @property
     def gpus(self) -> int:

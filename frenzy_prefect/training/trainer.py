@@ -258,11 +258,17 @@ def _checkpoint(
     """Write step ``step``'s checkpoint; returns its URI, the time it took and, unless the request
     sets the interval, the interval agreed from that time and the steps' (None after the last step)."""
     request = job.request
-    uri, save_s = together(ctx, lambda: checkpoint.save(engine, job.checkpoint_uri, step, losses, request.keep_checkpoints))
+    uri, save_s = write_checkpoint(job, ctx, engine, step, losses)
     if request.checkpoint_every is not None or step == request.steps:
         return uri, save_s, None
     step_s = statistics.mean(timings["step"][1:] or timings["step"])  # the steps after the first (which also warms up)
     return uri, save_s, _agreed_interval(ctx, save_s, step_s)
+
+
+def write_checkpoint(job: TrainingJob, ctx: DistributedContext, engine: Engine, step: int, losses: list[float]) -> tuple[str, float]:
+    """Every rank writes its part of step ``step``'s checkpoint (``checkpoint.save``, through
+    ``together``); returns its URI and the seconds it took."""
+    return together(ctx, lambda: checkpoint.save(engine, job.checkpoint_uri, step, losses, job.request.keep_checkpoints))
 
 
 def _agreed_interval(ctx: DistributedContext, save_s: float, step_s: float) -> int:

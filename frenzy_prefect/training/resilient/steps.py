@@ -52,14 +52,12 @@ from frenzy_prefect.recycle.failures import NeedsCheckpointRestart
 from frenzy_prefect.recycle.fits import fitting_schedule
 from frenzy_prefect.recycle.replan import Replan, smaller_layout
 from frenzy_prefect.spec.plan import ParallelPlan, TrainingJob
-from frenzy_prefect.training import checkpoint
 from frenzy_prefect.training.data import step_seed
 from frenzy_prefect.training.engine import Engine, MicroBatch
-from frenzy_prefect.training.manifest import latest
 from frenzy_prefect.training.resilient.generations import Generation, Interrupted, Position
 from frenzy_prefect.training.resilient.liveness import Log
 from frenzy_prefect.training.resilient.peer_state import share_stage_state
-from frenzy_prefect.training.trainer import Notify, Progress
+from frenzy_prefect.training.trainer import Notify, Progress, resume
 
 T = TypeVar("T")
 STEP, CHECKPOINT = 0, 1  # the phases of a step (Position)
@@ -207,13 +205,14 @@ class RecycleSteps:
 
     def _missing_changed(self) -> None:
         """After the members changed: while ranks are missing, when they went and what to re-plan to."""
-        if not self._failed_workers():
+        failed = self._failed_workers()
+        if not failed:
             self.away_since, self.replan = None, None
             return
         self.away_since = self.away_since or time.monotonic()
         self.replan = None
         if self.job.request.replan_after_s is not None:
-            share = self.cache.lookup(self._failed_workers()).plan.iteration_s / self.cache.lookup(()).plan.iteration_s
+            share = self.cache.lookup(failed).plan.iteration_s / self.cache.lookup(()).plan.iteration_s
             self.replan = smaller_layout(self.job, len(self.generation.members), share)
 
     def _replan_due(self) -> bool:
@@ -250,8 +249,7 @@ class RecycleSteps:
         self.engine.leave_groups()
         self.job, self.ranks = job, ranks
         self.engine = self.build(job, ranks.index(self.generation.rank), self._live())
-        uri, found = latest(job.checkpoint_uri)
-        checkpoint.load(self.engine, uri, found)
+        resume(job, self.engine, self.log)
         self.cache = self._cache()
         self.schedule = self._schedule()
         self._missing_changed()

@@ -19,15 +19,13 @@ import torch.distributed as dist
 from frenzy_prefect.spec.layout import check_resilience
 from frenzy_prefect.spec.plan import TrainingJob
 from frenzy_prefect.spec.result import TrainingResult
-from frenzy_prefect.training import checkpoint
 from frenzy_prefect.training.data import TokenWindows, replica_batches
 from frenzy_prefect.training.distributed import DistributedContext, together
 from frenzy_prefect.training.engine import Engine
-from frenzy_prefect.training.manifest import latest
 from frenzy_prefect.training.resilient.generations import FINISHED, Generation, await_admission, finished_result
 from frenzy_prefect.training.resilient.liveness import Heartbeat, incarnation_from_env
 from frenzy_prefect.training.resilient.steps import CHECKPOINT, RecycleSteps, share_from_live_replica
-from frenzy_prefect.training.trainer import Notify, Progress, build_engine, check_world, resume, run_steps, write_result
+from frenzy_prefect.training.trainer import Notify, Progress, build_engine, check_world, resume, run_steps, write_checkpoint, write_result
 
 
 def train(job: TrainingJob, ctx: DistributedContext, log: Callable[[str], None] = print, notify: Notify | None = None) -> TrainingResult:
@@ -49,7 +47,7 @@ def train(job: TrainingJob, ctx: DistributedContext, log: Callable[[str], None] 
                 return finished_result(store)
             generation, note = admission
             joined = time.perf_counter()
-            engine, progress = _join(job, ctx, generation, note)
+            engine, progress = _join(job, ctx, generation, note, log)
 
         def build(job: TrainingJob, rank: int, live: list[int]) -> Engine:
             return build_engine(job, ctx.model_copy(update={"rank": rank}), live)
@@ -58,8 +56,7 @@ def train(job: TrainingJob, ctx: DistributedContext, log: Callable[[str], None] 
             """Step ``step``'s checkpoint, written by the members unless it is (a re-plan resumes from it)."""
             if progress.final is not None and progress.last_saved == step:
                 return
-            keep = job.request.keep_checkpoints
-            uri, save_s = together(ctx, lambda: checkpoint.save(steps.engine, job.checkpoint_uri, step, progress.losses, keep))
+            uri, save_s = write_checkpoint(job, ctx, steps.engine, step, progress.losses)
             progress.last_saved, progress.final, progress.save_s = step, uri, save_s
             log(f"checkpoint of step {step} written to {uri} in {save_s:.2f} s")
 
@@ -105,14 +102,14 @@ def _start(job: TrainingJob, ctx: DistributedContext, store, log: Callable[[str]
     return engine, generation, progress, data
 
 
-def _join(job: TrainingJob, ctx: DistributedContext, generation: Generation, note: dict):
+def _join(job: TrainingJob, ctx: DistributedContext, generation: Generation, note: dict, log: Callable[[str], None]):
     """A replacement admitted into ``generation`` (``note``: what the members told it): its engine,
     with its stage's state from a live replica, or (the members had re-planned, and now resume
     the run's own plan) from the checkpoint they wrote, and the members' progress (whose record
     ends before this rejoin: the caller adds it)."""
     engine = build_engine(job, ctx, live=generation.members)
     if note["reload"]:
-        checkpoint.load(engine, *latest(job.checkpoint_uri))
+        resume(job, engine, log)
     else:
         share_from_live_replica(engine, [m for m in generation.members if m not in note["admitted"]], {ctx.rank})
     return engine, Progress(**note["progress"])
