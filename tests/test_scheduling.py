@@ -123,20 +123,20 @@ def test_a_gpu_cannot_be_taken_twice():
     placed = sim.place("A10", 3)
     assert placed and sim.free_total["A10"] == 1
     with pytest.raises(RuntimeError, match="not all free"):
-        sim.take("A10", [Placement(node="n0", host="n0", gpus=[placed[0].gpus[0]])])
-    sim.release("A10", placed)
+        sim.take([Placement(node="n0", host="n0", gpus=[placed[0].gpus[0]])])
+    sim.release(placed)
     assert sim.free_total["A10"] == 4 and sim.free["n0"] == [0, 1, 2, 3]
 
 
 def test_a_reservation_admits_short_jobs_other_types_and_spare_gpus_only():
-    class O:  # the two fields a reservation reads
-        def __init__(self, gpu_type, gpus):
-            self.gpu_type, self.gpus = gpu_type, gpus
+    def O(gpu_type, gpus):  # a plan's GPUs of each type, as a reservation reads them
+        return ((gpu_type, gpus),)
 
     r = Reservation(at_s=100.0, gpu_type="A100-80GB", spare=2)
     assert r.admits(O("T4", 8), ends_s=1e9)  # another type
     assert r.admits(O("A100-80GB", 8), ends_s=100.0)  # ends before the blocked job starts
     assert not r.admits(O("A100-80GB", 4), ends_s=101.0)  # would hold the blocked job's GPUs
+    assert not r.admits((("T4", 8), ("A100-80GB", 4)), ends_s=101.0)  # across types: its share of the reserved type counts
     backfilled = O("A100-80GB", 2)
     assert r.admits(backfilled, ends_s=101.0)  # fits in the spare
     r.claim(backfilled, ends_s=101.0)
@@ -251,7 +251,7 @@ def test_the_buckets_hand_has_stage_2_the_nodes_it_would_pick_from_all_of_them(t
     sim = SimCluster(spec)
     for i, t in enumerate(taken):
         if t:
-            sim.take("A10", [Placement(node=f"n{i:02d}", host=f"n{i:02d}", gpus=list(range(t)))])
+            sim.take([Placement(node=f"n{i:02d}", host=f"n{i:02d}", gpus=list(range(t)))])
     listed = [n for bucket in sim.by_free["A10"] for n in bucket.values()]  # every node, as the cluster keeps them
     everything = place(gpus, [(n, list(sim.free[n.name])) for n in listed], group=group) if gpus <= sim.free_total["A10"] else None
     assert sim.place("A10", gpus, group) == everything
@@ -323,7 +323,7 @@ def test_objective_cost_ranks_by_the_clusters_prices_and_needs_one_for_every_typ
     assert cheap[0].option.gpu_type == "T4"
     with pytest.raises(FrenzyError, match="objective 'cost' needs the price of a GPU-hour of every type; cluster 'cluster' lacks A10, T4"):
         make_policy("frenzy", objective="cost").ranked(job("a"), SimCluster(cluster(("A10", 4), ("T4", 4))))
-    with pytest.raises(FrenzyError, match="objective applies to policy 'frenzy' only, not 'ilp'"):
+    with pytest.raises(FrenzyError, match="objective applies to policies 'frenzy' and 'frenzy-mixed' only, not 'ilp'"):
         make_policy("ilp", objective="cost")
     with pytest.raises(FrenzyError, match="unknown objective 'speed'; known: time, gpu-hours, cost"):
         make_policy("frenzy", objective="speed")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from frenzy_prefect.allocator.placement import place
 from frenzy_prefect.allocator.plans import gpu_kinds
 from frenzy_prefect.scheduling.jobs import SimJob, Waiting
-from frenzy_prefect.scheduling.options import Option, frontier, naive_plans, option
+from frenzy_prefect.scheduling.options import MixedOption, Option, frontier, mixed_option, naive_plans, option
 from frenzy_prefect.scheduling.throughput import ThroughputTable
 from frenzy_prefect.spec.cluster import ClusterSpec, Node
 from frenzy_prefect.spec.gpu import GpuType
@@ -85,6 +85,10 @@ class SimCluster:
             return self.table.option(job.model, job.global_batch, gpu_type, plan.gpus)
         return option(job.model, job.global_batch, self.gpu[gpu_type], plan, self.spec.network_gbps)
 
+    def mixed_option(self, job: SimJob, plan: ParallelPlan) -> MixedOption:
+        """``plan`` of ``job`` across the types it names, with its estimated peaks and step time."""
+        return mixed_option(job.model, job.global_batch, plan, tuple(self.gpu.values()), self.spec.network_gbps)
+
     def naive_plans(self, job: SimJob) -> tuple[ParallelPlan, ...]:
         """What a memory-unaware user runs, attempt after attempt (``options.naive_plans``); with a
         throughput table, the requested GPUs (at most the largest pool), which never run out of memory."""
@@ -111,7 +115,7 @@ class SimCluster:
             return None
         placements = place(gpus, [(n, self.free[n.name]) for n in self._candidates(gpu_type, gpus, group)], group=group)
         if placements:
-            self.take(gpu_type, placements)
+            self.take(placements)
         return placements
 
     def _candidates(self, gpu_type: str, gpus: int, group: int) -> list[Node]:
@@ -141,7 +145,8 @@ class SimCluster:
                 break
         return chosen
 
-    def take(self, gpu_type: str, placements: list[Placement]) -> None:
+    def take(self, placements: list[Placement]) -> None:
+        """Mark the placements' GPUs busy (each node's GPUs counted against its own type: a plan across types spans them)."""
         for p in placements:
             free = self.free[p.node]
             if p.gpus == free:  # the whole node's free GPUs, as most of a wide job's nodes
@@ -150,16 +155,16 @@ class SimCluster:
                 left = [i for i in free if i not in p.gpus]
             else:
                 raise RuntimeError(f"GPUs {p.gpus} of node {p.node} are not all free ({free})")
-            self._refile(gpu_type, p.node, left)
-            self.free_total[gpu_type] -= len(p.gpus)
+            self._refile(p.node, left)
+            self.free_total[self.node[p.node].gpu_type] -= len(p.gpus)
 
-    def release(self, gpu_type: str, placements: list[Placement]) -> None:
+    def release(self, placements: list[Placement]) -> None:
         for p in placements:
-            self._refile(gpu_type, p.node, sorted(self.free[p.node] + p.gpus))
-            self.free_total[gpu_type] += len(p.gpus)
+            self._refile(p.node, sorted(self.free[p.node] + p.gpus))
+            self.free_total[self.node[p.node].gpu_type] += len(p.gpus)
 
-    def _refile(self, gpu_type: str, name: str, free: list[int]) -> None:
-        buckets = self.by_free[gpu_type]
+    def _refile(self, name: str, free: list[int]) -> None:
+        buckets = self.by_free[self.node[name].gpu_type]
         del buckets[len(self.free[name])][name]
         buckets[len(free)][name] = self.node[name]
         self.free[name] = free

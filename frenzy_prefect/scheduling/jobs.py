@@ -59,10 +59,11 @@ def reference_tokens_per_gpu_s(model: str) -> float:
     return gpu.half_tflops * 1e12 * gpu.achievable_fraction * saturation(SEQ_LEN) / flops_per_token(PRESETS[model], SEQ_LEN)
 
 
-def to_sim_job(job: TraceJob, t0: int) -> SimJob:
-    model = TRACE_MODELS.get(job.model_name)
+def to_sim_job(job: TraceJob, t0: int, models: dict[str, str] = TRACE_MODELS) -> SimJob:
+    """``job`` as training, its model by ``models`` (a trace model name -> a preset)."""
+    model = models.get(job.model_name)
     if model is None:
-        raise FrenzyError(f"job {job.job_id}: unknown model_name {job.model_name!r}; known: {', '.join(TRACE_MODELS)}")
+        raise FrenzyError(f"job {job.job_id}: unknown model_name {job.model_name!r}; known: {', '.join(models)}")
     tokens = job.duration * job.num_gpu * reference_tokens_per_gpu_s(model)
     return SimJob(
         job_id=job.job_id,
@@ -76,9 +77,9 @@ def to_sim_job(job: TraceJob, t0: int) -> SimJob:
     )
 
 
-def sim_jobs(trace: list[TraceJob]) -> list[SimJob]:
+def sim_jobs(trace: list[TraceJob], models: dict[str, str] = TRACE_MODELS) -> list[SimJob]:
     t0 = min(j.submission_time for j in trace)
-    return [to_sim_job(j, t0) for j in trace]
+    return [to_sim_job(j, t0, models) for j in trace]
 
 
 @dataclass(slots=True)

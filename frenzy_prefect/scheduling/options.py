@@ -13,12 +13,13 @@ import math
 from dataclasses import dataclass
 from functools import cache
 
+from frenzy_prefect.allocator.mixed import fastest_possible_s, mixed_candidates, worker_peaks
 from frenzy_prefect.allocator.space import plan_space
-from frenzy_prefect.allocator.step_time import predict_step
+from frenzy_prefect.allocator.step_time import predict_mixed_step, predict_step
 from frenzy_prefect.memory.analytic import peak_bytes, plan_search
 from frenzy_prefect.profiling.model import PRESETS
 from frenzy_prefect.scheduling.jobs import PRECISION, SEQ_LEN
-from frenzy_prefect.spec.gpu import GpuType
+from frenzy_prefect.spec.gpu import GpuType, MemoryMargin
 from frenzy_prefect.spec.plan import ParallelPlan
 from frenzy_prefect.spec.workload import Workload
 
@@ -34,6 +35,11 @@ class Option:
 
     def step_time(self, nodes: int) -> float:
         return self.step_s if nodes == 1 else self.spread_step_s
+
+    @property
+    def by_type(self) -> tuple[tuple[str, int], ...]:
+        """GPUs of each type (as ``MixedOption.by_type``)."""
+        return ((self.gpu_type, self.gpus),)
 
 
 def _workload(global_batch: int) -> Workload:
@@ -86,6 +92,59 @@ def frontier(
             out.append(option(model, global_batch, gpu, plan, network_gbps))
             last = t
     return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class MixedOption:
+    """A plan across GPU types (``plan.stage_types`` or ``replica_types``) with each stage's or
+    replica's estimated peak on its type and the predicted step (always across nodes)."""
+
+    plan: ParallelPlan
+    peaks: tuple[int, ...]
+    step_s: float
+    gpus: int
+    by_type: tuple[tuple[str, int], ...]  # GPUs of each type
+
+    @property
+    def gpu_type(self) -> str:
+        return "+".join(t for t, _ in self.by_type)
+
+    def fits(self, gpu: dict[str, GpuType], margin: MemoryMargin, underestimate: float) -> bool:
+        """Whether every stage or replica fits its type with its estimate x ``underestimate`` plus the margin."""
+        types = self.plan.stage_types or self.plan.replica_types or ()
+        return all(
+            p * underestimate + margin.bytes_for(gpu[t].memory_bytes) <= gpu[t].memory_bytes for p, t in zip(self.peaks, types, strict=True)
+        )
+
+    def fill(self, gpu: dict[str, GpuType]) -> float:
+        """The fullest stage or replica: its estimated peak / its type's memory."""
+        types = self.plan.stage_types or self.plan.replica_types or ()
+        return max(p / gpu[t].memory_bytes for p, t in zip(self.peaks, types, strict=True))
+
+
+def fastest_across_s(model: str, global_batch: int, free: tuple[tuple[GpuType, int], ...]) -> float:
+    """A step time no plan across the ``free`` GPUs beats (``allocator.mixed.fastest_possible_s``)."""
+    return fastest_possible_s(PRESETS[model], _workload(global_batch), list(free))
+
+
+@cache
+def mixed_options(
+    model: str, global_batch: int, free: tuple[tuple[GpuType, int], ...], margin: MemoryMargin, network_gbps: float
+) -> tuple[MixedOption, ...]:
+    """``allocator.mixed``'s plans across two of the ``free`` types (each with its free GPUs),
+    fastest first, over every plan the memory model covers (as ``frontier``)."""
+    found = mixed_candidates(PRESETS[model], _workload(global_batch), {g.name: (g, n) for g, n in free}, margin, network_gbps, engine_only=False)
+    return tuple(
+        MixedOption(c.plan, c.peaks, c.step_s, c.plan.gpus, tuple(c.plan.gpus_by_type().items())) for c in found
+    )
+
+
+@cache
+def mixed_option(model: str, global_batch: int, plan: ParallelPlan, gpus: tuple[GpuType, ...], network_gbps: float) -> MixedOption:
+    """``plan`` across the types it names (among ``gpus``) with its estimated peaks and step time."""
+    spec, work, named = PRESETS[model], _workload(global_batch), {g.name: g for g in gpus}
+    step = predict_mixed_step(spec, plan, work, gpus=named, network_gbps=network_gbps).seconds
+    return MixedOption(plan, worker_peaks(spec, plan, work, named), step, plan.gpus, tuple(plan.gpus_by_type().items()))
 
 
 @cache

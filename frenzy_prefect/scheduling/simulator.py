@@ -125,7 +125,7 @@ class _Replay:
 
     def complete(self, run: Run, now: float) -> None:
         """Free the run's GPUs; an out-of-memory run goes back to the queue, any other is done."""
-        self.cluster.release(run.gpu_type, run.placements)
+        self.cluster.release(run.placements)
         del self.cluster.running[run.job.job_id]
         self.last_end = now
         if run.out_of_memory:
@@ -274,6 +274,8 @@ def _cycle_collection_paused() -> Iterator[None]:
 def start_run(start: Start, cluster: SimCluster, now: float, truth: MemoryTruth) -> Run:
     """What actually happens to a started plan: its true peak by ``truth``, its time by the throughput
     model (or table, which also charges the job's start-up)."""
+    if start.plan.gpus_by_type():
+        return _start_across_types(start, cluster, now, truth)
     job = start.waiting.job
     gpu = cluster.gpu[start.gpu_type]
     predicted = cluster.option(job, start.gpu_type, start.plan)
@@ -283,3 +285,18 @@ def start_run(start: Start, cluster: SimCluster, now: float, truth: MemoryTruth)
     runtime = OOM_DETECTION_S if out_of_memory else cluster.startup_s(job) + job.steps * predicted.step_time(len(start.placements))
     underestimate = gpu.memory_bytes / predicted.peak_bytes if out_of_memory else 1.0
     return Run(start.waiting, start.gpu_type, start.plan, start.placements, now + runtime, out_of_memory, underestimate, now)
+
+
+def _start_across_types(start: Start, cluster: SimCluster, now: float, truth: MemoryTruth) -> Run:
+    """A plan across types runs out of memory where any stage or replica's true peak exceeds its
+    type's memory; what that proves of the estimates is the largest such GPU memory / estimated peak."""
+    job, plan = start.waiting.job, start.plan
+    predicted = cluster.mixed_option(job, plan)
+    types = plan.stage_types or plan.replica_types or ()
+    short = [
+        cluster.gpu[t].memory_bytes / peak
+        for peak, t in zip(predicted.peaks, types, strict=True)
+        if truth.peak_bytes(job.job_id, peak) > cluster.gpu[t].memory_bytes
+    ]
+    runtime = OOM_DETECTION_S if short else job.steps * predicted.step_s
+    return Run(start.waiting, start.gpu_type, plan, start.placements, now + runtime, bool(short), max(short, default=1.0), now)

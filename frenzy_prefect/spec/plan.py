@@ -100,6 +100,16 @@ class ParallelPlan(BaseModel):
     def gpus(self) -> int:
         return self.dp * self.tp * self.pp
 
+    def gpus_by_type(self) -> dict[str, int]:
+        """A plan across types: how many GPUs of each type, in the order the plan first names
+        them ({} for a plan on the allocation's one type)."""
+        counts: dict[str, int] = {}
+        for t in self.stage_types or ():
+            counts[t] = counts.get(t, 0) + self.dp * self.tp
+        for t in self.replica_types or ():
+            counts[t] = counts.get(t, 0) + self.pp * self.tp
+        return counts
+
     def accumulation(self, global_batch: int) -> int:
         """Micro-batches per replica per step: the most any replica runs (with an even split, each's)."""
         if self.replica_micro_batches is not None:

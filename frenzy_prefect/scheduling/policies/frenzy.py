@@ -60,12 +60,14 @@ class Reservation:
     gpu_type: str
     spare: int
 
-    def admits(self, option: Option, ends_s: float) -> bool:
-        return option.gpu_type != self.gpu_type or ends_s <= self.at_s or option.gpus <= self.spare
+    def admits(self, by_type: tuple[tuple[str, int], ...], ends_s: float) -> bool:
+        """Whether a plan holding ``by_type`` (GPUs of each type) until ``ends_s`` leaves the claim whole."""
+        taken = dict(by_type).get(self.gpu_type, 0)
+        return not taken or ends_s <= self.at_s or taken <= self.spare
 
-    def claim(self, option: Option, ends_s: float) -> None:
-        if option.gpu_type == self.gpu_type and ends_s > self.at_s:
-            self.spare -= option.gpus
+    def claim(self, by_type: tuple[tuple[str, int], ...], ends_s: float) -> None:
+        if ends_s > self.at_s:
+            self.spare -= dict(by_type).get(self.gpu_type, 0)
 
 
 class Frenzy:
@@ -159,35 +161,53 @@ class Frenzy:
             if not any(cluster.free_total.values()) or looked > self.backfill_depth:
                 break
             plans = self.ranked(waiting.job, cluster, waiting.underestimate)
-            if not plans:
+            if self._never_runs(waiting, plans, cluster):
                 out.append(Reject(waiting, no_plan_fits(waiting, cluster)))
                 continue
             if reservation is not None:
                 looked += 1
-            steps = waiting.job.steps
             last = position == len(ordered) - 1
-            limit = self._run_limit(waiting.job, plans)
-            for o, step_s, efficient in plans:
-                if o.gpus > cluster.free_total[o.gpu_type]:
-                    continue
-                if not efficient and (not last or o.gpus > self.idle_share * cluster.free_total[o.gpu_type]):
-                    continue
-                ends = now + steps * step_s
-                if reservation is not None and not reservation.admits(o, ends):
-                    continue
-                placements = cluster.place(o.gpu_type, o.gpus, o.plan.tp)
-                if placements and steps * o.step_time(len(placements)) > limit:  # split over nodes, slower than the bound
-                    cluster.release(o.gpu_type, placements)
-                    continue
-                if placements:
-                    if reservation is not None:
-                        reservation.claim(o, ends)
-                    out.append(Start(waiting, o.gpu_type, o.plan, placements))
-                    break
-            else:
-                if reservation is None:
-                    reservation = _reserve([r.option for r in plans], cluster)
+            start = self._start(waiting, plans, now, cluster, reservation, last) or self._start_blocked(waiting, plans, now, cluster, reservation)
+            if start:
+                out.append(start)
+            elif reservation is None:
+                reservation = _reserve([r.option for r in plans], cluster)
         return out
+
+    def _never_runs(self, waiting: Waiting, plans: list[Ranked], cluster: SimCluster) -> bool:
+        """Whether ``waiting`` can never run here: none of its plans fits a GPU type."""
+        return not plans
+
+    def _start(
+        self, waiting: Waiting, plans: list[Ranked], now: float, cluster: SimCluster, reservation: Reservation | None, last: bool
+    ) -> Start | None:
+        """The best of the job's plans, in rank order, that the free GPUs hold now within the
+        width and backfilling rules (its GPUs taken), or None."""
+        steps = waiting.job.steps
+        limit = self._run_limit(waiting.job, plans)
+        for o, step_s, efficient in plans:
+            if o.gpus > cluster.free_total[o.gpu_type]:
+                continue
+            if not efficient and (not last or o.gpus > self.idle_share * cluster.free_total[o.gpu_type]):
+                continue
+            ends = now + steps * step_s
+            if reservation is not None and not reservation.admits(o.by_type, ends):
+                continue
+            placements = cluster.place(o.gpu_type, o.gpus, o.plan.tp)
+            if placements and steps * o.step_time(len(placements)) > limit:  # split over nodes, slower than the bound
+                cluster.release(placements)
+                continue
+            if placements:
+                if reservation is not None:
+                    reservation.claim(o.by_type, ends)
+                return Start(waiting, o.gpu_type, o.plan, placements)
+        return None
+
+    def _start_blocked(
+        self, waiting: Waiting, plans: list[Ranked], now: float, cluster: SimCluster, reservation: Reservation | None
+    ) -> Start | None:
+        """What a job none of whose plans the free GPUs hold starts as instead: nothing (it waits)."""
+        return None
 
 
 def _reserve(plans: list[Option], cluster: SimCluster) -> Reservation:
