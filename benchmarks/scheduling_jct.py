@@ -38,7 +38,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--traces", nargs="+", default=TRACES)
     parser.add_argument("--clusters", nargs="+", default=list(CLUSTERS), choices=list(CLUSTERS))
-    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    parser.add_argument(
+        "--policies", nargs="+", default=[p for p in POLICIES if p != "frenzy-mixed"], choices=list(POLICIES)
+    )  # (frenzy-mixed: benchmarks/mixed_scheduling.py)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/scheduling_jct.json"))
     args = parser.parse_args()

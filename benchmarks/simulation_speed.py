@@ -22,7 +22,9 @@ from frenzy_prefect.scheduling.simulator import simulate
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", default="cluster04")
-    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    parser.add_argument(
+        "--policies", nargs="+", default=[p for p in POLICIES if p != "frenzy-mixed"], choices=list(POLICIES)
+    )  # (frenzy-mixed: benchmarks/mixed_scheduling.py)
     parser.add_argument("--replicate", type=int, nargs="+", default=[1, 10], help="copies of the Alibaba node list")
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/simulation_speed.json"))
     args = parser.parse_args()

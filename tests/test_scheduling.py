@@ -370,7 +370,7 @@ def test_simulate_rejects_bad_input_in_one_line(tmp_path):
     assert out.returncode == 2 and out.stderr.strip() == f"error: {trace}:2: column num_gpu: -1 is negative"
     trace.write_text(HEADER + "a,0,10,resnet50,0,64,1,600\n")
     out = frenzy("simulate", "--trace", str(trace), "--cluster", THREE_TYPES, "--policy", "random")
-    assert out.returncode == 2 and "unknown policy 'random'; known: frenzy, first-fit, fastest-type, ilp" in out.stderr
+    assert out.returncode == 2 and "unknown policy 'random'; known: frenzy, frenzy-mixed, first-fit, fastest-type, ilp" in out.stderr
     nodes = tmp_path / "nodes.csv"
     nodes.write_text("sn,cpu_milli,memory_mib,gpu,model\nn0,1,1,8,G2\n")
     out = frenzy("simulate", "--trace", str(trace), "--cluster", str(nodes))

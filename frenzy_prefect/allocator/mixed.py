@@ -3,12 +3,13 @@ data-parallel replicas on different types, the work split by each type's speed w
 
 As Metis (Um et al., ATC'24) and FlashFlex do, a split follows each type's achievable
 throughput (its dense peak at its achievable fraction, ``speed``: the split that makes the
-slowest stage or replica least slow, ``balanced``) under the memory limits: where that split does not fit, each stage takes at most the layers
-that fit its type (``layer_cap``); when the caps hold fewer than the model's layers, the plan
-does not fit. Only what the engine trains is
-searched (``tests/test_mixed.py``): stages across types (any dp, each replica's stages alike) with
-an uneven layer split, or replicas across types (pp 1) with an uneven micro-batch split; tp 1,
-ZeRO 0, no recomputation or full recomputation.
+slowest stage or replica least slow, ``balanced``) under the memory limits: where that split
+does not fit, each stage takes at most the layers that fit its type (``layer_cap``); when the
+caps hold fewer than the model's layers, the plan does not fit. Only what the engine trains is
+searched (``tests/test_mixed.py``; the simulator may ask for every plan the memory model covers):
+stages across types (any dp, each replica's stages alike) with an uneven layer split, or replicas
+across types (pp 1) with an uneven micro-batch split; tp 1, ZeRO 0, no recomputation or full
+recomputation.
 
 The search is bounded: two types at a time; data parallelism over the global batch's divisors;
 every free GPU of the faster type, and 1, 2, 4, ... up to every free GPU of the slower (a slow
@@ -239,5 +240,5 @@ def across_types_hint(model: ModelSpec, work: Workload, cluster: ClusterSpec) ->
         return None
     return (
         f"across GPU types a plan would fit: {found[0].plan.label()}, predicted {found[0].step_s:.3g} s a step "
-        "(`frenzy plan --mixed` shows them; the scheduler does not run plans across types yet)"
+        "(`frenzy plan --mixed` shows them; the train-llm flow does not run plans across types yet)"
     )

@@ -23,7 +23,7 @@ def _memory_truth(table: bool, exact: bool, seed: int) -> str:
 def simulate(
     trace: Path = typer.Option(..., "--trace", help="ElasticFlow job trace CSV, or a Sia workload CSV (with --throughput-table)."),
     cluster: Path = typer.Option(..., "--cluster", help="Alibaba v2023 node-list CSV, or a cluster file (YAML/JSON)."),
-    policy: str = typer.Option("frenzy", "--policy", help="frenzy, first-fit, fastest-type or ilp."),
+    policy: str = typer.Option("frenzy", "--policy", help="frenzy, frenzy-mixed (across GPU types), first-fit, fastest-type or ilp."),
     gpu_types: Path | None = typer.Option(None, "--gpu-types", help="YAML declaring GPU types the catalog lacks (e.g. Alibaba's G2, G3)."),
     seed: int = typer.Option(
         0, "--seed", help="Seeds each job's true peak memory: its estimate off by one of MARP's published GPU-run errors."

@@ -133,10 +133,9 @@ def mixed_options(
 ) -> tuple[MixedOption, ...]:
     """``allocator.mixed``'s plans across two of the ``free`` types (each with its free GPUs),
     fastest first, over every plan the memory model covers (as ``frontier``)."""
-    found = mixed_candidates(PRESETS[model], _workload(global_batch), {g.name: (g, n) for g, n in free}, margin, network_gbps, engine_only=False)
-    return tuple(
-        MixedOption(c.plan, c.peaks, c.step_s, c.plan.gpus, tuple(c.plan.gpus_by_type().items())) for c in found
-    )
+    named = {g.name: (g, n) for g, n in free}
+    found = mixed_candidates(PRESETS[model], _workload(global_batch), named, margin, network_gbps, engine_only=False)
+    return tuple(MixedOption(c.plan, c.peaks, c.step_s, c.plan.gpus, tuple(c.plan.gpus_by_type().items())) for c in found)
 
 
 @cache

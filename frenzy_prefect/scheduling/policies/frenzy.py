@@ -167,11 +167,12 @@ class Frenzy:
             if reservation is not None:
                 looked += 1
             last = position == len(ordered) - 1
-            start = self._start(waiting, plans, now, cluster, reservation, last) or self._start_blocked(waiting, plans, now, cluster, reservation)
+            start = self._start(waiting, plans, now, cluster, reservation, last)
+            start = start or self._start_blocked(waiting, plans, now, cluster, reservation)
             if start:
                 out.append(start)
             elif reservation is None:
-                reservation = _reserve([r.option for r in plans], cluster)
+                reservation = reserve([r.option for r in plans], cluster)
         return out
 
     def _never_runs(self, waiting: Waiting, plans: list[Ranked], cluster: SimCluster) -> bool:
@@ -210,7 +211,7 @@ class Frenzy:
         return None
 
 
-def _reserve(plans: list[Option], cluster: SimCluster) -> Reservation:
+def reserve(plans: list[Option], cluster: SimCluster) -> Reservation:
     """The earliest moment one of the head job's GPU types frees enough GPUs for its smallest plan there."""
     best = Reservation(math.inf, "", 0)
     for gpu_type in dict.fromkeys(o.gpu_type for o in plans):  # in rank order: ties go to the better type

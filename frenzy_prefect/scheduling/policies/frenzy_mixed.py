@@ -5,7 +5,10 @@ start now (the free GPUs of no one type hold one, or backfilling forbids it) doe
 the plans across two of the types with free GPUs (``allocator.mixed``: stages or replicas dealt
 by each type's speed within its memory), in the objective's order. Such a plan must
 fit every stage or replica (with what the job's out-of-memory runs proved of its estimates), end
-within the job's stretch bound, be efficient and leave the blocked job's reservation whole.
+within the job's stretch bound, be efficient, leave the blocked job's reservation whole, and end
+before the job would by waiting for one type (its smallest plan on the type that frees its GPUs
+first, from the running jobs' predicted ends, as frenzy reserves): a plan across types is never
+chosen where waiting for a single type would do as well.
 Efficient, across types, weighs each GPU by its type's achievable throughput: the throughput a
 plan holds times its step within 1 / min_efficiency of the job's cheapest single-type plan's (on
 one type this is frenzy's GPU-seconds rule; counting bare GPU-seconds would price a T4's second
@@ -31,10 +34,9 @@ from frenzy_prefect.errors import NoFeasiblePlan
 from frenzy_prefect.scheduling.cluster import SimCluster
 from frenzy_prefect.scheduling.jobs import PRECISION, Waiting
 from frenzy_prefect.scheduling.options import MixedOption, fastest_across_s, mixed_options
-from frenzy_prefect.scheduling.policies.base import Start
-from frenzy_prefect.scheduling.policies.frenzy import Frenzy, Ranked, Reservation
+from frenzy_prefect.scheduling.policies.base import Reject, Start
+from frenzy_prefect.scheduling.policies.frenzy import Frenzy, Ranked, Reservation, reserve
 from frenzy_prefect.spec.plan import Placement
-
 
 # Searches across types (each up to a few hundred ms on a cluster of many types) one decision may
 # run; the rest of its blocked jobs use what earlier decisions searched. Bounded work per
@@ -60,8 +62,12 @@ class FrenzyMixed(Frenzy):
     def _start_blocked(
         self, waiting: Waiting, plans: list[Ranked], now: float, cluster: SimCluster, reservation: Reservation | None
     ) -> Start | None:
-        for o in self._eligible_across(waiting, plans, cluster, cluster.free_total):
+        across = self._eligible_across(waiting, plans, cluster, cluster.free_total)
+        waited_out = _finish_by_waiting(waiting, plans, cluster) if across else math.inf
+        for o in across:
             ends = now + waiting.job.steps * o.step_s
+            if ends >= waited_out:
+                continue
             if reservation is not None and not reservation.admits(o.by_type, ends):
                 continue
             if (placements := _place_each(o, cluster)) is not None:
@@ -121,6 +127,17 @@ class FrenzyMixed(Frenzy):
         self._order(cluster)  # checks every type has a price
         prices = cluster.spec.prices
         return lambda o: (sum(prices[t] * n for t, n in o.by_type) * o.step_s, o.step_s)
+
+
+def _finish_by_waiting(waiting: Waiting, plans: list[Ranked], cluster: SimCluster) -> float:
+    """When the job would end if it waited for one type instead: the earliest moment a type frees
+    the GPUs of its smallest plan there (``frenzy.reserve``, from the running jobs' predicted
+    ends), plus that plan's run."""
+    reserved = reserve([r.option for r in plans], cluster)
+    if not plans or reserved.at_s == math.inf:
+        return math.inf
+    smallest = min((r for r in plans if r.option.gpu_type == reserved.gpu_type), key=lambda r: r.option.gpus)
+    return reserved.at_s + waiting.job.steps * smallest.step_s
 
 
 def _power_of_two_at_most(n: int) -> int:
