@@ -8,13 +8,18 @@ import itertools
 
 import pytest
 
-from benchmarks.mixed_plans import NETWORK_GBPS, best_mixed, best_single, request
-from frenzy_prefect.allocator.mixed import balanced, fit_layers, speed, worker_peaks, worth_mixing
+from benchmarks.mixed_plans import NETWORK_GBPS, best_mixed, best_single, cluster_of, request
+from frenzy_prefect import allocator
+from frenzy_prefect.allocator.across import allocate_across
+from frenzy_prefect.allocator.mixed import MIXED_GAIN, balanced, fit_layers, speed, worker_peaks, worth_mixing
 from frenzy_prefect.allocator.step_time import predict_mixed_step, predict_step
+from frenzy_prefect.errors import ClusterBusy, NoFeasiblePlan
 from frenzy_prefect.profiling.model import PRESETS
 from frenzy_prefect.spec.catalog import GPU_CATALOG
+from frenzy_prefect.spec.cluster import ClusterSpec, ClusterState
 from frenzy_prefect.spec.gpu import MemoryMargin
 from frenzy_prefect.spec.plan import ParallelPlan
+from frenzy_prefect.spec.request import PlanPin
 
 
 def best_single_s(model: str, req, gpu_type: str, count: int) -> float | None:
@@ -82,3 +87,42 @@ def test_a_mixed_plan_is_not_worth_it_where_a_single_type_is_about_as_fast():
     found = best_mixed("gpt2-large", req, A10=1, T4=1)
     assert single is not None and found is not None and found.step_s < single
     assert not worth_mixing(found.step_s, single)
+
+
+# --- HAS across types (allocator/across.py) ---------------------------------------------------
+
+
+def _allocate(model: str, req, cluster: ClusterSpec, state: ClusterState | None = None):
+    """What the train-llm flow's allocate task decides: HAS's single-type allocation (None where
+    none starts now), then the plan across types it may prefer."""
+    state = state or ClusterState.idle(cluster)
+    try:
+        chosen = allocator.allocate(allocator.candidate_plans(PRESETS[model], req, cluster), state)
+    except (ClusterBusy, NoFeasiblePlan):
+        chosen = None
+    return chosen, allocate_across(PRESETS[model], req, state, chosen)
+
+
+def test_where_no_single_type_holds_the_job_has_allocates_it_across_types_in_rank_order():
+    chosen, across = _allocate("gpt2-xl", request("gpt2-xl", 16, "fp32"), cluster_of(T4=1, A10=1))
+    assert chosen is None and across is not None
+    assert across.gpu_type == "A10+T4" and across.plan.stage_types == ("A10", "T4")  # the faster type first
+    assert [p.node for p in across.placements] == ["A10-0", "T4-0"] and across.fits
+    assert [w.gpu_type for w in across.workers] == ["A10", "T4"] and across.spare_bytes == min(w.spare_bytes for w in across.workers)
+
+
+def test_a_mixed_plan_is_chosen_over_a_single_type_one_only_when_it_is_worth_it():
+    chosen, across = _allocate("gpt2-xl", request("gpt2-xl", 64, "bf16"), cluster_of(**{"A100-40GB": 2, "A10": 6}))
+    assert chosen is not None and across is not None and chosen.step_time_s >= MIXED_GAIN * across.step_time_s
+    chosen, across = _allocate("gpt2-large", request("gpt2-large", 16, "fp32"), cluster_of(A10=1, T4=1))
+    assert chosen is not None and chosen.gpu_type == "A10" and across is None  # 1.01x: one type is as good
+
+
+def test_has_places_a_mixed_plan_only_on_free_gpus_and_keeps_pinned_or_recycle_runs_on_one_type():
+    cluster = cluster_of(T4=1, A10=1)
+    busy = ClusterState(cluster=cluster, free_gpus={"A10-0": [], "T4-0": [0]})
+    assert _allocate("gpt2-xl", request("gpt2-xl", 16, "fp32"), cluster, busy) == (None, None)
+    pinned = request("gpt2-xl", 16, "fp32").model_copy(update={"plan": PlanPin(pp=2)})
+    recycle = request("gpt2-xl", 16, "fp32").model_copy(update={"resilience": "recycle"})
+    for req in (pinned, recycle):
+        assert allocate_across(PRESETS["gpt2-xl"], req, ClusterState.idle(cluster), None) is None

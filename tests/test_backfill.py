@@ -209,3 +209,36 @@ def test_the_workers_backfill_setting_is_on_or_off_and_anything_else_is_named(mo
     monkeypatch.setenv(BACKFILL_ENV, "maybe")
     with pytest.raises(FrenzyError, match=r"^FRENZY_BACKFILL='maybe' on this worker: expected on \(backfill, the default\) or off"):
         backfill_enabled()
+
+
+# --- runs across GPU types (issue 31) ------------------------------------------------------
+
+
+def _across(a10: int, t4: int, predicted_s: float | None = 100.0) -> Want:
+    return Want("A10+T4", a10 + t4, predicted_s=predicted_s, across=(("A10", a10), ("T4", t4)))
+
+
+def test_a_run_across_types_takes_gpus_of_each_in_rank_order():
+    nodes = [_node("t4", 2, "T4"), _node("a10", 2)]
+    (start,) = decide([_across(1, 2)], nodes, {"a10": [0, 1], "t4": [0, 1]}, [], NOW)
+    assert isinstance(start, Start) and [(p.node, p.gpus) for p in start.placements] == [("a10", [0]), ("t4", [0, 1])]
+
+
+def test_a_waiting_run_across_types_is_never_passed_on_its_types_and_blocks_no_other():
+    nodes = [_node("a10", 2), _node("t4", 2, "T4"), _node("h100", 1, "H100")]
+    holders = [_holder(("t4", 0), ("t4", 1), ends_at=NOW + 100)]
+    line = [_across(1, 2), Want("A10", 1, predicted_s=1), Want("T4", 1, predicted_s=1), Want("H100", 1, predicted_s=1)]
+    across, a10, t4, h100 = decide(line, nodes, {"a10": [0, 1], "h100": [0]}, holders, NOW)
+    assert isinstance(across, Wait) and across.reservation is None  # no backfill behind it on its types
+    assert isinstance(a10, Wait) and isinstance(t4, Wait)  # a free A10 stays free for it, however short the run
+    assert isinstance(h100, Start)
+
+
+def test_a_run_across_types_waits_behind_a_single_type_head_unless_it_ends_before_the_reservation():
+    nodes = [_node("a10", 2), _node("t4", 2, "T4")]
+    holders = [_holder(("a10", 0), ends_at=NOW + 100)]
+    free = {"a10": [1], "t4": [0, 1]}
+    head, short, long = decide([Want("A10", 2, predicted_s=10), _across(1, 1, 50), _across(1, 1, 500)], nodes, free, holders, NOW)
+    assert isinstance(head, Wait) and head.reservation.at == NOW + 100
+    assert isinstance(short, Start) and short.passed == head.reservation  # ends at NOW + 50, before the head's turn
+    assert isinstance(long, Wait)  # would hold the head's A10 past NOW + 100

@@ -105,9 +105,10 @@ def test_plan_mixed_shows_plans_across_two_types_and_whether_each_beats_the_chos
     three_types = str(ROOT / "examples" / "clusters" / "three-types-64.yaml")
     args = ["--global-batch", "64", "--seq-len", "1024", "--precision", "fp32", "--cluster", three_types, "--mixed", "--top", "3"]
     data = json.loads(frenzy("plan", "gpt2-xl", *args, "--json").stdout)
-    chosen, first = data["chosen"], data["mixed"][0]
-    assert chosen["gpu_type"] == "A100-80GB" and set(first["plan"]["stage_types"]) == {"A100-80GB", "V100-32GB"}
-    assert first["worth_mixing"] and chosen["step_time_s"] >= 1.1 * first["step_time_s"]
+    chosen, single, first = data["chosen"], data["plans"][0], data["mixed"][0]
+    assert single["gpu_type"] == "A100-80GB" and set(first["plan"]["stage_types"]) == {"A100-80GB", "V100-32GB"}
+    assert first["worth_mixing"] and single["step_time_s"] >= 1.1 * first["step_time_s"]
+    assert chosen["gpu_type"] == "A100-80GB+V100-32GB" and chosen["plan"] == first["plan"]  # worth it: HAS chooses it
     assert sum(first["plan"]["stage_layers"]) == 48 and len(first["peak_bytes"]) == first["plan"]["pp"]
     # Where one type cannot hold the job at all, the plans across types are the answer, not an error.
     tiny = tmp_path / "a10-t4.yaml"
@@ -117,8 +118,12 @@ def test_plan_mixed_shows_plans_across_two_types_and_whether_each_beats_the_chos
     out = frenzy("plan", "gpt2-xl", *small, "--mixed")
     assert out.returncode == 0, out.stderr
     assert "across types" in out.stdout and "no plan on one type fits" in " ".join(out.stdout.split())
-    refused = frenzy("plan", "gpt2-xl", *small)
+    # Without --mixed, HAS chooses it, as the train-llm flow would; with a plan pinned it keeps to one type and says why.
+    chosen = json.loads(frenzy("plan", "gpt2-xl", *small, "--json").stdout)["chosen"]
+    assert chosen["gpu_type"] == "A10+T4" and [p["node"] for p in chosen["placements"]] == ["a", "t"]
+    refused = frenzy("plan", "gpt2-xl", *small, "--tp", "1")
     assert refused.returncode != 0 and "across GPU types a plan would fit: dp=1 tp=1 pp=2" in refused.stderr, refused.stderr
+    assert "for a run with no plan pinned" in " ".join(refused.stderr.split())
 
 
 def test_plan_for_recycle_offers_only_the_pipelines_it_can_keep_running_or_says_what_is_missing():

@@ -33,15 +33,21 @@ Gpu = tuple[str, int]  # (node, index)
 class Want(NamedTuple):
     """A waiting run, as far as the queue decides on it."""
 
-    gpu_type: str
+    gpu_type: str  # its line: one type, or the types of a plan across them (``A10+T4``)
     gpus: int
     group: int = 1  # its tensor-parallel width: a node's share is a multiple of it
     predicted_s: float | None = None  # the allocator's predicted time of all its steps
+    across: tuple[tuple[str, int], ...] = ()  # a plan across types: GPUs of each, in rank order
 
     @classmethod
     def of(cls, job: TrainingJob) -> Want:
         a = job.allocation
-        return cls(a.gpu_type, a.plan.gpus, a.plan.tp, a.total_time_s)
+        return cls(a.gpu_type, a.plan.gpus, a.plan.tp, a.total_time_s, tuple(a.plan.gpus_by_type().items()))
+
+    @property
+    def parts(self) -> tuple[tuple[str, int], ...]:
+        """GPUs of each type it needs."""
+        return self.across or ((self.gpu_type, self.gpus),)
 
 
 class Holder(NamedTuple):
@@ -76,36 +82,42 @@ def decide(
     """One decision per run of ``line`` (a cluster's waiting runs, oldest first), given the
     cluster's ``nodes``, its ``free`` GPUs per node and the ``holders`` of the others, at
     ``now`` (seconds, the clock of ``Holder.ends_at``). Without ``backfill``: strict first
-    come first served per type."""
+    come first served per type. A run across types waits behind the heads of each of its types,
+    and while it waits it is the head of each that had none, without a reservation (no backfill
+    on them until it starts: a run across types is never passed)."""
     free = {node.name: list(free.get(node.name, [])) for node in nodes}
     holders = list(holders)
     heads: dict[str, Wait] = {}  # GPU type -> its blocked head
     waiting: dict[str, int] = {}
     out: list[Start | Wait] = []
     for want in line:
-        head = heads.get(want.gpu_type)
+        ahead = [heads[t] for t, _ in want.parts if t in heads]
         ends_at = None if want.predicted_s is None else now + want.predicted_s
-        if head is None:
+        if not ahead:
             placements = _place(want, nodes, free)
-        elif head.reservation is None or ends_at is None:
+        elif ends_at is None or any(h.reservation is None for h in ahead):
             placements = None
-        elif ends_at <= head.reservation.at:
-            placements = _place(want, nodes, free)
         else:
-            placements = _place(want, nodes, free, avoiding=head.reservation.gpus)
+            claimed = [h.reservation.gpus for h in ahead if h.reservation and ends_at > h.reservation.at]
+            placements = _place(want, nodes, free, avoiding=frozenset().union(*claimed))
         if placements:
             for p in placements:
                 free[p.node] = [i for i in free[p.node] if i not in p.gpus]
             holders.append(Holder(_gpus(placements), ends_at))
-            out.append(Start(placements, ends_at, head.reservation if head else None))
+            out.append(Start(placements, ends_at, ahead[0].reservation if ahead else None))
             continue
         waiting[want.gpu_type] = waiting.get(want.gpu_type, 0) + 1
-        n_free = sum(len(free[n.name]) for n in nodes if n.gpu_type == want.gpu_type)
-        if head is None:
-            head = heads[want.gpu_type] = Wait(1, n_free, reserve(want, nodes, free, holders, now) if backfill else None)
-            out.append(head)
+        n_free = sum(len(free[n.name]) for n in nodes if n.gpu_type in dict(want.parts))
+        if want.gpu_type not in heads and not ahead:
+            reservation = reserve(want, nodes, free, holders, now) if backfill and not want.across else None
+            out.append(head := Wait(1, n_free, reservation))
+            for t, _ in want.parts:
+                heads[t] = head
+            heads[want.gpu_type] = head
         else:
-            out.append(Wait(waiting[want.gpu_type], n_free, head.reservation))
+            out.append(Wait(waiting[want.gpu_type], n_free, None if want.across else ahead[0].reservation if ahead else None))
+            for t, _ in want.parts:  # a run across types blocks each of its types that had no head
+                heads.setdefault(t, Wait(1, n_free, None))
     return out
 
 
@@ -133,8 +145,15 @@ def reserve(want: Want, nodes: list[Node], free: dict[str, list[int]], holders: 
 
 
 def _place(want: Want, nodes: list[Node], free: dict[str, list[int]], avoiding: frozenset[Gpu] = frozenset()) -> list[Placement] | None:
-    usable = [(n, [i for i in free[n.name] if (n.name, i) not in avoiding]) for n in nodes if n.gpu_type == want.gpu_type]
-    return place(want.gpus, usable, group=want.group)
+    """HAS stage 2 for each of ``want``'s types, in rank order, all or nothing."""
+    placements: list[Placement] = []
+    for gpu_type, gpus in want.parts:
+        usable = [(n, [i for i in free[n.name] if (n.name, i) not in avoiding]) for n in nodes if n.gpu_type == gpu_type]
+        part = place(gpus, usable, group=want.group)
+        if part is None:
+            return None
+        placements += part
+    return placements
 
 
 def _gpus(placements: list[Placement]) -> frozenset[Gpu]:

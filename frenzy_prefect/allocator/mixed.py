@@ -240,5 +240,6 @@ def across_types_hint(model: ModelSpec, work: Workload, cluster: ClusterSpec) ->
         return None
     return (
         f"across GPU types a plan would fit: {found[0].plan.label()}, predicted {found[0].step_s:.3g} s a step "
-        "(`frenzy plan --mixed` shows them; the train-llm flow does not run plans across types yet)"
+        "(`frenzy plan --mixed` shows them; HAS allocates one where the free GPUs hold it, for a run with no plan pinned and "
+        "resilience 'restart')"
     )

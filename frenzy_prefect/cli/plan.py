@@ -37,7 +37,7 @@ def plan(
     deadline_hours: float | None = typer.Option(None, "--deadline-hours", help="Only plans predicted to finish the steps in time."),
     top: int = typer.Option(10, "--top", min=1, help="How many ranked plans to show."),
     mixed: bool = typer.Option(
-        False, "--mixed", help="Also the plans across two GPU types (predicted; the scheduler does not run them yet: issue 31)."
+        False, "--mixed", help="Also the plans across two GPU types (predicted; HAS chooses one where it is worth it)."
     ),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
@@ -62,6 +62,7 @@ def plan(
         objective=objective,
         deadline_hours=deadline_hours,
     )
+    from frenzy_prefect.allocator.across import allocate_across
     from frenzy_prefect.allocator.mixed import across_types_hint, cluster_candidates
     from frenzy_prefect.errors import NoFeasiblePlan
 
@@ -73,19 +74,18 @@ def plan(
         if not across:
             raise
         candidates = []
-    chosen = None
+    chosen, nothing = None, None
     if candidates:
         try:
             chosen = allocator.allocate(candidates, state)
-        except NoFeasiblePlan as nothing:  # plans on one type run, and none fits
-            if across:
-                pass  # the plans across types are the answer
-            elif not mixed and (hint := across_types_hint(spec, request.workload, state.cluster)):
-                raise NoFeasiblePlan(f"{nothing}; {hint}") from None
-            else:
-                raise
-    ranked = [c for c in candidates if c.fits][:top]
+        except NoFeasiblePlan as error:  # plans on one type run, and none fits
+            nothing = error
     single_s = chosen.step_time_s if chosen else None
+    chosen = allocate_across(spec, request, state, chosen) or chosen  # as the train-llm flow's HAS decides
+    if chosen is None and not across and nothing is not None:
+        hint = None if mixed else across_types_hint(spec, request.workload, state.cluster)
+        raise NoFeasiblePlan(f"{nothing}; {hint}" if hint else str(nothing))
+    ranked = [c for c in candidates if c.fits][:top]
     if as_json:
         echo_json(plans_json(ranked, chosen) | ({} if across is None else {"mixed": mixed_json(across, single_s)}))
         return
@@ -173,10 +173,7 @@ def print_plans(title: str, cluster: ClusterSpec, ranked: list[PlanCandidate], c
     console = print_table(title, table)
     placed = ", ".join(f"{p.node} GPUs {p.gpus}" for p in chosen.placements)
     console.print(f"chosen: {chosen.plan.gpus} x {chosen.gpu_type}, {chosen.plan.label()} on {placed}")
-    console.print(
-        f"predicted peak {gib(chosen.memory.peak_bytes, 1)} GiB of {gib(chosen.gpu_memory_bytes, 1)} GiB per GPU: fits with "
-        f"{gib(chosen.spare_bytes, 1)} GiB to spare (margin {gib(chosen.margin_bytes, 1)} GiB kept)"
-    )
+    console.print(chosen.fit_summary())
 
 
 def _plans_caption(cluster: ClusterSpec, ranked: list[PlanCandidate], steps: int | None) -> str:

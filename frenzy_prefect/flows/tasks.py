@@ -12,12 +12,13 @@ from prefect.logging import get_run_logger
 from prefect.utilities.asyncutils import run_coro_as_sync
 
 from frenzy_prefect import allocator
+from frenzy_prefect.allocator.across import allocate_across
 from frenzy_prefect.allocator.learning import Learned, applied, record_of
 from frenzy_prefect.allocator.mixed import across_types_hint
 from frenzy_prefect.blocks import load_cluster, save_node
 from frenzy_prefect.datasets.prepare import Prepared
 from frenzy_prefect.datasets.prepare import prepare as _prepare
-from frenzy_prefect.errors import ClusterBusy, FrenzyError
+from frenzy_prefect.errors import ClusterBusy, FrenzyError, NoFeasiblePlan
 from frenzy_prefect.flows.charts import loss_curve_png
 from frenzy_prefect.memory.run_records import CalibrationStore, RunRecord
 from frenzy_prefect.pool.reservations import GpuReservations
@@ -181,15 +182,31 @@ def estimate_memory(model: ModelSpec, request: TrainingRequest, state: ClusterSt
 
 
 @task
-def allocate(candidates: list[PlanCandidate], state: ClusterState) -> Allocation:
-    """HAS: the first plan the free GPUs can hold, bin-packed onto nodes; if other runs hold
+def allocate(
+    candidates: list[PlanCandidate], state: ClusterState, model: ModelSpec | None = None, request: TrainingRequest | None = None
+) -> Allocation:
+    """HAS: the first plan the free GPUs can hold, bin-packed onto nodes; with ``model`` and
+    ``request``, a plan across two GPU types instead where no single-type plan can start now or
+    one across types is predicted MIXED_GAIN faster (``allocator.across``); if other runs hold
     every GPU that would do, the best plan on the idle cluster, whose GPUs the `frenzy` worker
     then waits for. Nothing starts if no plan fits the cluster at all."""
+    why: FrenzyError | None = None
     try:
-        chosen = allocator.allocate(candidates, state)
-    except ClusterBusy as busy:
+        chosen: Allocation | None = allocator.allocate(candidates, state)
+    except (ClusterBusy, NoFeasiblePlan) as single:
+        chosen, why = None, single
+    across = None if model is None or request is None else allocate_across(model, request, state, chosen)
+    if across is not None:
+        reason = (
+            f"{why}" if chosen is None else f"predicted {chosen.step_time_s / across.step_time_s:.2f}x faster than {chosen.plan.label()}"
+        )
+        get_run_logger().info(f"Across GPU types: {across.plan.label()} ({reason})")
+        chosen = across
+    elif chosen is None and isinstance(why, ClusterBusy):
         chosen = allocator.allocate(candidates, ClusterState.idle(state.cluster))
-        get_run_logger().info(f"{busy}; the run will wait for {chosen.plan.gpus} x {chosen.gpu_type}")
+        get_run_logger().info(f"{why}; the run will wait for {chosen.plan.gpus} x {chosen.gpu_type}")
+    elif why is not None:
+        raise why
     breakdown = _breakdown_row(chosen.memory.peak_stage)
     placed = ", ".join(f"{p.node} GPUs {p.gpus}" for p in chosen.placements)
     create_markdown_artifact(
@@ -198,8 +215,7 @@ def allocate(candidates: list[PlanCandidate], state: ClusterState) -> Allocation
             f"## Allocation\n\n"
             f"**{chosen.plan.gpus} x {chosen.gpu_type}**, {chosen.plan.label()}\n\n"
             f"- placement: {placed}\n"
-            f"- predicted peak memory per GPU: {gib(chosen.memory.peak_bytes)} GiB of {gib(chosen.gpu_memory_bytes)} GiB; "
-            f"fits with {gib(chosen.spare_bytes)} GiB to spare (margin {gib(chosen.margin_bytes)} GiB kept)\n"
+            f"- {chosen.fit_summary()}\n"
             f"- predicted step time: {duration(chosen.step_time_s)}\n\n"
             + "| "
             + " | ".join(breakdown)
@@ -257,7 +273,11 @@ def _survived_rows(result: TrainingResult) -> list[dict[str, str]]:
 @task
 def record_run(job: TrainingJob, result: TrainingResult, source: str, store_uri: str) -> None:
     """Add what the run measured to its cluster's calibration store. A record that cannot be
-    made or kept is a warning, never the run's failure: the run itself succeeded and reported."""
+    made or kept is a warning, never the run's failure: the run itself succeeded and reported.
+    A run across GPU types is not recorded: each type learns from runs on it alone."""
+    if job.allocation.workers:
+        get_run_logger().info(f"Not recorded in {store_uri}: a run across GPU types ({job.allocation.gpu_type})")
+        return
     try:
         record = record_of(job, result, source)
         store = read_store(store_uri, job.cluster.name).add(record)

@@ -101,7 +101,7 @@ def train_llm(
         if not choice.run:
             return Cancelled(message="the plans were not approved")
         candidates = chosen_first(candidates, choice.plan)
-    allocation = allocate(candidates, state)
+    allocation = allocate(candidates, state) if approve else allocate(candidates, state, model, request)  # (a person's choice stands)
     job = TrainingJob(
         request=request,
         model=model,

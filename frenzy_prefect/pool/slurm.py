@@ -54,8 +54,9 @@ async def refuse_what_slurm_cannot_hold(job: TrainingJob, conf: Path | None) -> 
     """FrenzyError, in one line, for a run Slurm can never place (its type's GPUs are too few,
     not Slurm's, or down): it fails at once instead of waiting in the queue."""
     nodes = await anyio.to_thread.run_sync(read_nodes, conf)
-    if why := capacity_shortfall(job.cluster, job.allocation.gpu_type, job.allocation.plan.gpus, nodes):
-        raise FrenzyError(why)
+    for gpu_type, gpus in job.allocation.gpus_by_type().items():  # (a run across types: each of its types)
+        if why := capacity_shortfall(job.cluster, gpu_type, gpus, nodes):
+            raise FrenzyError(why)
 
 
 SLURM_JOB_LABEL = "frenzy.slurm-job"  # the run's Slurm job id

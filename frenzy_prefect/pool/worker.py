@@ -490,8 +490,13 @@ def _exit_within(seconds: float) -> None:
 def _check_pool_policy(job: TrainingJob, configuration: FrenzyJobConfiguration) -> None:
     """The pool's limits on what a training run may use; breaking one fails the run at once."""
     a = job.allocation
-    if configuration.allowed_gpu_types is not None and a.gpu_type not in configuration.allowed_gpu_types:
-        raise FrenzyError(f"this pool allows GPU types {', '.join(configuration.allowed_gpu_types)}; the run was allocated {a.gpu_type}")
+    if configuration.allowed_gpu_types is not None and (
+        barred := [t for t in a.gpus_by_type() if t not in configuration.allowed_gpu_types]
+    ):
+        raise FrenzyError(
+            f"this pool allows GPU types {', '.join(configuration.allowed_gpu_types)}; the run was allocated {a.gpu_type}, "
+            f"and {', '.join(barred)} is not allowed"
+        )
     if configuration.max_gpus_per_run is not None and a.plan.gpus > configuration.max_gpus_per_run:
         raise FrenzyError(f"this pool allows at most {configuration.max_gpus_per_run} GPUs per run; the run needs {a.plan.gpus}")
 

@@ -22,6 +22,7 @@ from frenzy_prefect.spec.cluster import ClusterSpec
 from frenzy_prefect.spec.dataset import DatasetInfo
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.request import TrainingRequest
+from frenzy_prefect.units import gib
 
 Recompute = Literal["none", "selective", "full"]
 # More GPUs than one job is given anywhere (the largest published training runs used about
@@ -183,10 +184,28 @@ class MemoryEstimate(BaseModel):
         return max(self.per_stage, key=lambda b: b.total)
 
 
+class WorkerFit(BaseModel):
+    """A plan across GPU types: one stage (``stage_types``) or replica (``replica_types``) on its
+    type, its predicted peak there (tensors and that type's runtime) and that type's memory and margin."""
+
+    model_config = ConfigDict(frozen=True)
+
+    gpu_type: str
+    peak_bytes: NonNegativeInt
+    gpu_memory_bytes: PositiveInt
+    margin_bytes: NonNegativeInt
+
+    @property
+    def spare_bytes(self) -> int:
+        return self.gpu_memory_bytes - self.margin_bytes - self.peak_bytes
+
+
 class PlanCandidate(BaseModel):
     """A plan on a GPU type, with its predicted memory and step time. It fits when its
     predicted peak (tensors and the GPU around them) plus the safety margin is within the GPU's
-    memory: ``spare_bytes`` is what is left beyond both (negative: the shortfall)."""
+    memory: ``spare_bytes`` is what is left beyond both (negative: the shortfall). A plan across
+    types (``gpu_type`` names them, e.g. ``A10+T4``) fits when each of its ``workers`` does;
+    its memory and margin fields are then those of the worker with the least to spare."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -198,15 +217,35 @@ class PlanCandidate(BaseModel):
     margin_bytes: NonNegativeInt = Field(default=0, description="Memory kept free beyond the predicted peak (spec.gpu.MemoryMargin).")
     total_time_s: PositiveFloat | None = Field(default=None, description="Predicted time of all the request's steps.")
     cost: NonNegativeFloat | None = Field(default=None, description="Predicted cost of that time on its GPUs (the cluster's prices).")
+    workers: list[WorkerFit] | None = Field(
+        default=None, description="A plan across GPU types: each stage's or replica's fit on its own type, in rank order."
+    )
 
     @computed_field  # type: ignore[prop-decorator]
     @property
     def spare_bytes(self) -> int:
+        if self.workers:
+            return min(w.spare_bytes for w in self.workers)
         return self.gpu_memory_bytes - self.margin_bytes - self.memory.peak_bytes
 
     @property
     def fits(self) -> bool:
         return self.spare_bytes >= 0
+
+    def gpus_by_type(self) -> dict[str, int]:
+        """GPUs of each type it needs, in rank order (one type: all of them)."""
+        return self.plan.gpus_by_type() or {self.gpu_type: self.plan.gpus}
+
+    def fit_summary(self) -> str:
+        """How it fits, in a sentence: its peak against its GPU, or across types each worker's on its own type."""
+        spare = f"fits with {gib(self.spare_bytes, 1)} GiB to spare"
+        if self.workers:
+            each = ", ".join(f"{w.gpu_type} {gib(w.peak_bytes, 1)} of {gib(w.gpu_memory_bytes, 1)} GiB" for w in self.workers)
+            return f"predicted peak per stage or replica, on its type: {each}; {spare} (each type's margin kept)"
+        return (
+            f"predicted peak {gib(self.memory.peak_bytes, 1)} GiB of {gib(self.gpu_memory_bytes, 1)} GiB per GPU: "
+            f"{spare} (margin {gib(self.margin_bytes, 1)} GiB kept)"
+        )
 
 
 class Placement(BaseModel):
