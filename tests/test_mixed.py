@@ -8,6 +8,7 @@ of the batch so that the update averages every sample once)."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -83,7 +84,11 @@ def test_a_request_no_single_type_holds_is_allocated_across_types_and_trained_th
         run_id = run_deployment("train-llm/frenzy", parameters={"request": request, "cluster": "tiny-two-types"}, timeout=0).id
         run = wait_final(run_id)
         with get_client(sync_client=True) as client:
-            logs = [log.message for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))]
+            for _ in range(30):  # the flow's last lines reach the server a moment after its final state
+                logs = [log.message for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))]
+                if any(m.startswith("Not recorded in ") for m in logs):
+                    break
+                time.sleep(1)
     assert run.state.is_completed(), run.state.message
     with open_uri(f"{default_output(dataset, run.name)}/report.json", "r") as f:
         report = TrainingReport.model_validate_json(f.read())
