@@ -82,6 +82,18 @@ def test_measure_takes_the_same_options_and_prints_the_same_schema():
     assert abs(e["peak_bytes"] - m["peak_bytes"]) <= 0.03 * m["peak_bytes"]
 
 
+@pytest.mark.mixed
+def test_measure_and_estimate_an_uneven_pipeline_within_the_bound_of_even_ones_on_every_rank():
+    options = ("gpt-nano", "--pp", "2", "--stage-layers", "3,1", "--micro-batch", "2", "--global-batch", "8", "--seq-len", "64")
+    measured, estimated = (frenzy(command, *options, "--precision", "fp32", "--json") for command in ("measure", "estimate"))
+    assert measured.returncode == 0, measured.stderr
+    m, e = json.loads(measured.stdout), json.loads(estimated.stdout)
+    assert m["plan"]["stage_layers"] == e["plan"]["stage_layers"] == [3, 1]
+    for got, want in zip(m["per_rank"], e["per_rank"], strict=True):
+        assert abs(want["peak_bytes"] - got["peak_bytes"]) <= 0.03 * got["peak_bytes"], (got, want)
+    assert m["per_rank"][0]["peak_bytes"] > 2 * m["per_rank"][1]["peak_bytes"]  # three layers and the embedding against one
+
+
 def test_estimate_defaults_to_the_models_full_context():
     out = frenzy("estimate", "gpt-nano", "--json")
     assert out.returncode == 0, out.stderr
@@ -151,6 +163,8 @@ def test_plan_for_recycle_offers_only_the_pipelines_it_can_keep_running_or_says_
         (["estimate", "gpt2-small", "--gpu", "X100"], "unknown GPU type 'X100'; known: H200"),
         (["estimate", "gpt2-small", "--micro-batch", "0"], "micro_batch: Input should be greater than 0 (got 0)"),
         (["estimate", "gpt2-small", "--zero", "4"], "zero: Input should be 0, 1, 2 or 3 (got 4)"),
+        (["estimate", "gpt-nano", "--pp", "2", "--stage-layers", "3,2"], "stage_layers (3+2 = 5) must add up to the model's 4 layers"),
+        (["estimate", "gpt-nano", "--pp", "2", "--stage-layers", "3;1"], "--stage-layers takes each stage's layers, at least one each"),
         (
             ["estimate", "gpt2-small", "--zero", "2", "--pp", "2"],
             "zero=2 runs through DeepSpeed, which refuses it with pipelines; use pp=1, or zero 0 or 1 with pp=2",

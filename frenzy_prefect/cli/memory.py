@@ -39,12 +39,16 @@ class MemoryOptions:
         gpu,
         attention="flash",
         master_weights=False,
+        stage_layers=None,
     ):
         from frenzy_prefect.profiling.model import resolve_model
 
         self.spec = resolve_model(model, seq_len=seq_len)
         self.seq_len_default = seq_len is None
-        self.plan = ParallelPlan(dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, zero=zero, recompute=recompute)
+        split = _stage_layers(stage_layers)
+        self.plan = ParallelPlan(dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, zero=zero, recompute=recompute, stage_layers=split)
+        if split is not None:
+            self.plan.layer_split(self.spec.layers)  # names what would be accepted
         self.work = Workload(
             global_batch=self.plan.dp * self.plan.micro_batch if global_batch is None else global_batch,
             seq_len=self.spec.max_seq_len if seq_len is None else seq_len,
@@ -103,6 +107,9 @@ MODEL_ARG = typer.Argument(..., help="Preset name or path/URI of an HF-style con
 DP = typer.Option(1, "--dp", help="Data-parallel replicas.")
 TP = typer.Option(1, "--tp", help="Tensor-parallel ranks (must divide heads, kv_heads, hidden and ffn).")
 PP = typer.Option(1, "--pp", help="Pipeline stages (1F1B), at most the number of layers.")
+STAGE_LAYERS = typer.Option(
+    None, "--stage-layers", help="Layers of each pipeline stage, e.g. 3,1 (an uneven split, as across GPU types); default: even."
+)
 MICRO_BATCH = typer.Option(1, "--micro-batch")
 GLOBAL_BATCH = typer.Option(None, "--global-batch", help="Default: dp * micro-batch.")
 SEQ_LEN = typer.Option(
@@ -148,6 +155,7 @@ def _memory_command(per_rank: Callable[[MemoryOptions], list[Ranks]], doc: str) 
         dp: int = DP,
         tp: int = TP,
         pp: int = PP,
+        stage_layers: str | None = STAGE_LAYERS,
         micro_batch: int = MICRO_BATCH,
         global_batch: int | None = GLOBAL_BATCH,
         seq_len: int | None = SEQ_LEN,
@@ -166,7 +174,21 @@ def _memory_command(per_rank: Callable[[MemoryOptions], list[Ranks]], doc: str) 
         reserved: bool = RESERVED,
     ) -> None:
         w = MemoryOptions(
-            model, dp, tp, pp, micro_batch, global_batch, seq_len, zero, recompute, precision, optimizer, gpu, attention, master_weights
+            model,
+            dp,
+            tp,
+            pp,
+            micro_batch,
+            global_batch,
+            seq_len,
+            zero,
+            recompute,
+            precision,
+            optimizer,
+            gpu,
+            attention,
+            master_weights,
+            stage_layers,
         )
         _framework(w, framework, MegatronOptions(sequence_parallel=sequence_parallel, vpp=vpp, cross_entropy_fusion=cross_entropy_fusion))
         groups = per_rank(w)
@@ -178,10 +200,25 @@ def _memory_command(per_rank: Callable[[MemoryOptions], list[Ranks]], doc: str) 
     return command
 
 
+def _stage_layers(text: str | None) -> tuple[int, ...] | None:
+    """``--stage-layers 3,1`` as (3, 1); FrenzyError naming what is accepted."""
+    if text is None:
+        return None
+    try:
+        split = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        split = ()
+    if not split or min(split) < 1:
+        raise FrenzyError(f"--stage-layers takes each stage's layers, at least one each, as 3,1 (one per --pp stage); got {text!r}")
+    return split
+
+
 def _framework(w: MemoryOptions, framework: str, options: MegatronOptions) -> None:
     """The framework and its options, checked: ``options`` (sequence parallelism, vpp, the fused loss) are Megatron's."""
     check_framework(framework)
     w.framework = framework
+    if framework != "frenzy" and w.plan.stage_layers is not None:
+        raise FrenzyError(f"--stage-layers is this engine's (--framework frenzy); {framework} is estimated with an even split")
     if framework != "frenzy" and w.work.master_weights:
         raise FrenzyError(f"--master-weights is this engine's choice (--framework frenzy); {framework} keeps its own fp32 masters")
     if framework != "megatron":
