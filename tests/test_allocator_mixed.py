@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks.mixed_plans import NETWORK_GBPS, best_mixed, best_single, cluster_of, request
 from frenzy_prefect import allocator
-from frenzy_prefect.allocator.across import allocate_across
+from frenzy_prefect.allocator.across import WAIT_BOUND, allocate_across
 from frenzy_prefect.allocator.mixed import MIXED_GAIN, balanced, fit_layers, speed, worker_peaks, worth_mixing
 from frenzy_prefect.allocator.step_time import predict_mixed_step, predict_step
 from frenzy_prefect.errors import ClusterBusy, NoFeasiblePlan
@@ -126,3 +126,16 @@ def test_has_places_a_mixed_plan_only_on_free_gpus_and_keeps_pinned_or_recycle_r
     recycle = request("gpt2-xl", 16, "fp32").model_copy(update={"resilience": "recycle"})
     for req in (pinned, recycle):
         assert allocate_across(PRESETS["gpt2-xl"], req, ClusterState.idle(cluster), None) is None
+
+
+def test_a_run_that_would_wait_for_its_gpus_starts_across_types_only_within_twice_that_plans_step():
+    cluster, req = cluster_of(A10=2, T4=1), request("gpt2-xl", 16, "fp32")
+    waits_for = next(c for c in allocator.candidate_plans(PRESETS["gpt2-xl"], req, cluster) if c.fits)  # 2 A10s, pp 2
+    busy = ClusterState(cluster=cluster, free_gpus={"A10-0": [], "A10-1": [0], "T4-0": [0]})
+    with pytest.raises(ClusterBusy):
+        allocator.allocate([waits_for], busy)
+    # Across the free A10 and T4: 38.5 s a step against the 10.3 s it would wait for: it waits.
+    assert allocate_across(PRESETS["gpt2-xl"], req, busy, None, waits_for) is None
+    slower = waits_for.model_copy(update={"step_time_s": waits_for.step_time_s * 4})
+    across = allocate_across(PRESETS["gpt2-xl"], req, busy, None, slower)
+    assert across is not None and across.step_time_s <= WAIT_BOUND * slower.step_time_s

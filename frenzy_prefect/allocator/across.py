@@ -1,8 +1,9 @@
 """HAS across GPU types (issue 31): a run may be allocated a plan across two of the cluster's
 types (``allocator.mixed``'s bounded search over the types' free GPUs now) when no single-type
-plan can start on the free GPUs, or when one across types is predicted MIXED_GAIN faster than
-the single-type plan chosen (objective 'cost': that much cheaper). A plan across types is never
-chosen where a single-type plan is as good.
+plan can start on the free GPUs (if the run would otherwise wait for GPUs, only at most
+WAIT_BOUND times slower than the plan it waits for), or when one across types is predicted
+MIXED_GAIN faster than the single-type plan chosen (objective 'cost': that much cheaper). A plan
+across types is never chosen where a single-type plan is as good.
 
 Only for what the engine trains across types: resilience 'restart' (ReCycle re-routes within one
 type's stages), and no plan pinned (a pin names a single-type plan's degrees). The GPUs of each
@@ -21,11 +22,19 @@ from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import Allocation, MemoryEstimate, ParallelPlan, Placement, PlanCandidate, WorkerFit
 from frenzy_prefect.spec.request import TrainingRequest
 
+# A run that would wait for its single-type plan's GPUs starts across types now only if that is at
+# most this much slower a step: the bound the scheduler's frenzy policy puts on any run
+# (scheduling/policies/frenzy.py, STRETCH_BOUND), as the wait is not known here.
+WAIT_BOUND = 2.0
 
-def allocate_across(model: ModelSpec, request: TrainingRequest, state: ClusterState, chosen: Allocation | None) -> Allocation | None:
+
+def allocate_across(
+    model: ModelSpec, request: TrainingRequest, state: ClusterState, chosen: Allocation | None, waits_for: PlanCandidate | None = None
+) -> Allocation | None:
     """The best plan across two types that the free GPUs of ``state`` hold now, placed, if it is
-    worth more than ``chosen`` (the single-type allocation that starts now; None: none does);
-    else None."""
+    worth more than ``chosen`` (the single-type allocation that starts now), or, where none
+    starts now, at most WAIT_BOUND times slower than ``waits_for`` (the single-type plan the run
+    would wait for; None: none fits at all); else None."""
     if request.plan is not None or request.resilience != "restart":
         return None
     cluster = state.cluster
@@ -43,6 +52,8 @@ def allocate_across(model: ModelSpec, request: TrainingRequest, state: ClusterSt
     candidates.sort(key=lambda c: ((c.cost or 0.0) if request.objective == "cost" else 0.0, c.step_time_s))
     for c in candidates:
         if chosen is not None and not _worth_it(c, chosen, request):
+            continue
+        if chosen is None and waits_for is not None and c.step_time_s > WAIT_BOUND * waits_for.step_time_s:
             continue
         if placements := _place_by_type(c.plan, state):
             return Allocation(**dict(c), placements=placements)

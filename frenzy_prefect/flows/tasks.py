@@ -195,7 +195,8 @@ def allocate(
         chosen: Allocation | None = allocator.allocate(candidates, state)
     except (ClusterBusy, NoFeasiblePlan) as single:
         chosen, why = None, single
-    across = None if model is None or request is None else allocate_across(model, request, state, chosen)
+    waits_for = next((c for c in candidates if c.fits), None) if isinstance(why, ClusterBusy) else None
+    across = None if model is None or request is None else allocate_across(model, request, state, chosen, waits_for)
     if across is not None:
         reason = (
             f"{why}" if chosen is None else f"predicted {chosen.step_time_s / across.step_time_s:.2f}x faster than {chosen.plan.label()}"
