@@ -12,14 +12,14 @@ type are placed by HAS stage 2, in rank order: the faster type's stages (or repl
 from __future__ import annotations
 
 from frenzy_prefect.allocator.mixed import MIXED_GAIN, MixedCandidate, mixed_candidates
-from frenzy_prefect.allocator.placement import place
+from frenzy_prefect.allocator.placement import place_by_type
 from frenzy_prefect.allocator.plans import gpu_kinds
 from frenzy_prefect.errors import NoFeasiblePlan
 from frenzy_prefect.memory.analytic import estimate, on_device
 from frenzy_prefect.spec.cluster import ClusterSpec, ClusterState
 from frenzy_prefect.spec.gpu import GpuType
 from frenzy_prefect.spec.model import ModelSpec
-from frenzy_prefect.spec.plan import Allocation, MemoryEstimate, ParallelPlan, Placement, PlanCandidate, WorkerFit
+from frenzy_prefect.spec.plan import Allocation, MemoryEstimate, ParallelPlan, PlanCandidate, WorkerFit
 from frenzy_prefect.spec.request import TrainingRequest
 
 # A run that would wait for its single-type plan's GPUs starts across types now only if that is at
@@ -55,7 +55,7 @@ def allocate_across(
             continue
         if chosen is None and waits_for is not None and c.step_time_s > WAIT_BOUND * waits_for.step_time_s:
             continue
-        if placements := _place_by_type(c.plan, state):
+        if placements := place_by_type(c.plan.gpus_by_type().items(), cluster.nodes, state.free_gpus, c.plan.tp):
             return Allocation(**dict(c), placements=placements)
     return None
 
@@ -77,7 +77,6 @@ def _candidate(
     """``found`` as a candidate: each worker's fit on its type, the per-stage memory with each
     stage's own type's runtime, and the time and cost of all the request's steps."""
     plan = found.plan
-    types = plan.stage_types or plan.replica_types or ()
     workers = [
         WorkerFit(
             gpu_type=t,
@@ -85,7 +84,7 @@ def _candidate(
             gpu_memory_bytes=gpus[t].memory_bytes,
             margin_bytes=cluster.memory_margin.bytes_for(gpus[t].memory_bytes),
         )
-        for t, p in zip(types, found.peaks, strict=True)
+        for t, p in zip(plan.worker_types, found.peaks, strict=True)
     ]
     tightest = min(workers, key=lambda w: w.spare_bytes)
     total_s = found.step_s * request.steps
@@ -114,16 +113,3 @@ def _memory(model: ModelSpec, plan: ParallelPlan, request: TrainingRequest, gpus
             for stage, t in zip(tensors.per_stage, types, strict=True)
         ]
     )
-
-
-def _place_by_type(plan: ParallelPlan, state: ClusterState) -> list[Placement] | None:
-    """HAS stage 2 for each type's share of ``plan``, in rank order (the types are grouped along
-    the ranks, the first named first), all or nothing."""
-    placements: list[Placement] = []
-    for gpu_type, count in plan.gpus_by_type().items():
-        free = [(node, state.free_gpus.get(node.name, [])) for node in state.cluster.nodes if node.gpu_type == gpu_type]
-        part = place(count, free, group=plan.tp)
-        if part is None:
-            return None
-        placements += part
-    return placements

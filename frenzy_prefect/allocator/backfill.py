@@ -23,7 +23,7 @@ import math
 from itertools import groupby
 from typing import NamedTuple
 
-from frenzy_prefect.allocator.placement import place
+from frenzy_prefect.allocator.placement import place, place_by_type
 from frenzy_prefect.spec.cluster import Node
 from frenzy_prefect.spec.plan import Placement, TrainingJob
 
@@ -108,14 +108,13 @@ def decide(
             continue
         waiting[want.gpu_type] = waiting.get(want.gpu_type, 0) + 1
         n_free = sum(len(free[n.name]) for n in nodes if n.gpu_type in dict(want.parts))
-        if want.gpu_type not in heads and not ahead:
+        if not ahead:
             reservation = reserve(want, nodes, free, holders, now) if backfill and not want.across else None
             out.append(head := Wait(1, n_free, reservation))
             for t, _ in want.parts:
                 heads[t] = head
-            heads[want.gpu_type] = head
         else:
-            out.append(Wait(waiting[want.gpu_type], n_free, None if want.across else ahead[0].reservation if ahead else None))
+            out.append(Wait(waiting[want.gpu_type], n_free, None if want.across else ahead[0].reservation))
             for t, _ in want.parts:  # a run across types blocks each of its types that had no head
                 heads.setdefault(t, Wait(1, n_free, None))
     return out
@@ -145,15 +144,8 @@ def reserve(want: Want, nodes: list[Node], free: dict[str, list[int]], holders: 
 
 
 def _place(want: Want, nodes: list[Node], free: dict[str, list[int]], avoiding: frozenset[Gpu] = frozenset()) -> list[Placement] | None:
-    """HAS stage 2 for each of ``want``'s types, in rank order, all or nothing."""
-    placements: list[Placement] = []
-    for gpu_type, gpus in want.parts:
-        usable = [(n, [i for i in free[n.name] if (n.name, i) not in avoiding]) for n in nodes if n.gpu_type == gpu_type]
-        part = place(gpus, usable, group=want.group)
-        if part is None:
-            return None
-        placements += part
-    return placements
+    usable = {name: [i for i in idx if (name, i) not in avoiding] for name, idx in free.items()} if avoiding else free
+    return place_by_type(want.parts, nodes, usable, group=want.group)
 
 
 def _gpus(placements: list[Placement]) -> frozenset[Gpu]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from frenzy_prefect.allocator.placement import place
+from frenzy_prefect.allocator.placement import place_by_type
 from frenzy_prefect.errors import ClusterBusy, NoFeasiblePlan
 from frenzy_prefect.spec.cluster import ClusterState
 from frenzy_prefect.spec.plan import Allocation, PlanCandidate
@@ -28,8 +28,7 @@ def allocate(candidates: list[PlanCandidate], state: ClusterState) -> Allocation
             f"+ {gib(closest.margin_bytes, 2)} GiB margin > {gib(closest.gpu_memory_bytes, 2)} GiB"
         )
     for c in feasible:
-        free = [(n, state.free_gpus.get(n.name, [])) for n in cluster.nodes if n.gpu_type == c.gpu_type]
-        placements = place(c.plan.gpus, free, group=c.plan.tp)
+        placements = place_by_type(((c.gpu_type, c.plan.gpus),), cluster.nodes, state.free_gpus, group=c.plan.tp)
         if placements:
             return Allocation(**dict(c), placements=placements)
     fewest = min(feasible, key=lambda c: c.plan.gpus)

@@ -107,8 +107,7 @@ def worker_peaks(model: ModelSpec, plan: ParallelPlan, work: Workload, gpus: dic
 def _room(plan: ParallelPlan, peaks: tuple[int, ...], gpus: dict[str, GpuType], margin: MemoryMargin) -> tuple[int, ...]:
     """What each stage or replica (``peaks``: theirs) leaves of its type's memory less margin
     (negative: its shortfall)."""
-    types = plan.stage_types or plan.replica_types
-    return tuple(gpus[t].memory_bytes - margin.bytes_for(gpus[t].memory_bytes) - p for t, p in zip(types, peaks, strict=True))
+    return tuple(gpus[t].memory_bytes - margin.bytes_for(gpus[t].memory_bytes) - p for t, p in zip(plan.worker_types, peaks, strict=True))
 
 
 def fit_layers(

@@ -1,6 +1,8 @@
-"""Stage 2 of HAS: bin-pack a job's GPUs onto nodes of its GPU type."""
+"""Stage 2 of HAS: bin-pack a job's GPUs onto nodes of its GPU type (of each, for a plan across types)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
 
 from frenzy_prefect.spec.cluster import Node
 from frenzy_prefect.spec.plan import Placement
@@ -33,3 +35,17 @@ def place(gpus: int, free: list[tuple[Node, list[int]]], group: int = 1) -> list
         if needed == 0:
             return placements
     return None
+
+
+def place_by_type(
+    parts: Iterable[tuple[str, int]], nodes: list[Node], free: Mapping[str, list[int]], group: int = 1
+) -> list[Placement] | None:
+    """``place`` for each (GPU type, GPUs) of ``parts`` on that type's nodes, in order (a plan
+    across types: rank order), all or nothing; ``free``: each node's free GPU indices."""
+    placements: list[Placement] = []
+    for gpu_type, gpus in parts:
+        part = place(gpus, [(n, free.get(n.name, [])) for n in nodes if n.gpu_type == gpu_type], group=group)
+        if part is None:
+            return None
+        placements += part
+    return placements

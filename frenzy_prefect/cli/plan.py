@@ -123,7 +123,7 @@ def print_mixed(title: str, found: list, single_s: float | None) -> None:
         table.add_column(column, justify="left" if column in ("GPUs", "plan", "layers or batches") else "right")
     for i, c in enumerate(found, 1):
         p = c.plan
-        types = p.stage_types or p.replica_types
+        types = p.worker_types
         per = p.dp * p.tp if p.stage_types else p.tp
         gpus = " + ".join(f"{n * per} x {t}" for t, n in Counter(types).items())
         split = "/".join(map(str, p.stage_layers or p.replica_micro_batches or ()))

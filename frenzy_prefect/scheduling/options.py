@@ -105,21 +105,20 @@ class MixedOption:
     gpus: int
     by_type: tuple[tuple[str, int], ...]  # GPUs of each type
 
+    @classmethod
+    def of(cls, plan: ParallelPlan, peaks: tuple[int, ...], step_s: float) -> MixedOption:
+        return cls(plan, peaks, step_s, plan.gpus, tuple(plan.gpus_by_type().items()))
+
     @property
     def gpu_type(self) -> str:
         return "+".join(t for t, _ in self.by_type)
 
     def fits(self, gpu: dict[str, GpuType], margin: MemoryMargin, underestimate: float) -> bool:
         """Whether every stage or replica fits its type with its estimate x ``underestimate`` plus the margin."""
-        types = self.plan.stage_types or self.plan.replica_types or ()
         return all(
-            p * underestimate + margin.bytes_for(gpu[t].memory_bytes) <= gpu[t].memory_bytes for p, t in zip(self.peaks, types, strict=True)
+            p * underestimate + margin.bytes_for(gpu[t].memory_bytes) <= gpu[t].memory_bytes
+            for p, t in zip(self.peaks, self.plan.worker_types, strict=True)
         )
-
-    def fill(self, gpu: dict[str, GpuType]) -> float:
-        """The fullest stage or replica: its estimated peak / its type's memory."""
-        types = self.plan.stage_types or self.plan.replica_types or ()
-        return max(p / gpu[t].memory_bytes for p, t in zip(self.peaks, types, strict=True))
 
 
 def fastest_across_s(model: str, global_batch: int, free: tuple[tuple[GpuType, int], ...]) -> float:
@@ -135,7 +134,7 @@ def mixed_options(
     fastest first, over every plan the memory model covers (as ``frontier``)."""
     named = {g.name: (g, n) for g, n in free}
     found = mixed_candidates(PRESETS[model], _workload(global_batch), named, margin, network_gbps, engine_only=False)
-    return tuple(MixedOption(c.plan, c.peaks, c.step_s, c.plan.gpus, tuple(c.plan.gpus_by_type().items())) for c in found)
+    return tuple(MixedOption.of(c.plan, c.peaks, c.step_s) for c in found)
 
 
 @cache
@@ -143,7 +142,7 @@ def mixed_option(model: str, global_batch: int, plan: ParallelPlan, gpus: tuple[
     """``plan`` across the types it names (among ``gpus``) with its estimated peaks and step time."""
     spec, work, named = PRESETS[model], _workload(global_batch), {g.name: g for g in gpus}
     step = predict_mixed_step(spec, plan, work, gpus=named, network_gbps=network_gbps).seconds
-    return MixedOption(plan, worker_peaks(spec, plan, work, named), step, plan.gpus, tuple(plan.gpus_by_type().items()))
+    return MixedOption.of(plan, worker_peaks(spec, plan, work, named), step)
 
 
 @cache

@@ -292,10 +292,9 @@ def _start_across_types(start: Start, cluster: SimCluster, now: float, truth: Me
     type's memory; what that proves of the estimates is the largest such GPU memory / estimated peak."""
     job, plan = start.waiting.job, start.plan
     predicted = cluster.mixed_option(job, plan)
-    types = plan.stage_types or plan.replica_types or ()
     short = [
         cluster.gpu[t].memory_bytes / peak
-        for peak, t in zip(predicted.peaks, types, strict=True)
+        for peak, t in zip(predicted.peaks, plan.worker_types, strict=True)
         if truth.peak_bytes(job.job_id, peak) > cluster.gpu[t].memory_bytes
     ]
     runtime = OOM_DETECTION_S if short else job.steps * predicted.step_s

@@ -101,6 +101,11 @@ class ParallelPlan(BaseModel):
     def gpus(self) -> int:
         return self.dp * self.tp * self.pp
 
+    @property
+    def worker_types(self) -> tuple[str, ...]:
+        """A plan across types: the type of each stage (``stage_types``) or replica (``replica_types``), in order; () on one type."""
+        return self.stage_types or self.replica_types or ()
+
     def gpus_by_type(self) -> dict[str, int]:
         """A plan across types: how many GPUs of each type, in the order the plan first names
         them ({} for a plan on the allocation's one type)."""
