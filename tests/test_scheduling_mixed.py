@@ -79,7 +79,7 @@ def test_a_job_only_types_together_hold_runs_there_and_frees_both_when_done():
 
 @dataclass(frozen=True, slots=True)
 class UnderEstimated(MemoryTruth):
-    """Every estimate a third below the truth (within MARP's published errors' worst, -23%)."""
+    """Every estimate 25% below the truth (a little beyond MARP's worst published error, -23%)."""
 
     def error(self, job_id: str) -> float:
         return -0.25

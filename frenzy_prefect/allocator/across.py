@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from frenzy_prefect.allocator.mixed import MIXED_GAIN, MixedCandidate, mixed_candidates
 from frenzy_prefect.allocator.placement import place_by_type
-from frenzy_prefect.allocator.plans import gpu_kinds
+from frenzy_prefect.allocator.plans import usable_kinds
 from frenzy_prefect.errors import NoFeasiblePlan
 from frenzy_prefect.memory.analytic import estimate, on_device
 from frenzy_prefect.spec.cluster import ClusterSpec, ClusterState
@@ -38,7 +38,10 @@ def allocate_across(
     if request.plan is not None or request.resilience != "restart":
         return None
     cluster = state.cluster
-    gpus = {name: gpu for name, (gpu, _, _) in gpu_kinds(cluster).items() if request.precision != "bf16" or gpu.supports_bf16}
+    try:
+        gpus = {name: gpu for name, (gpu, _, _) in usable_kinds(request, cluster).items()}
+    except NoFeasiblePlan:  # no type runs the precision
+        return None
     free = {name: (gpu, n) for name, gpu in gpus.items() if (n := _free_of(state, name))}
     if len(free) < 2:
         return None

@@ -117,18 +117,18 @@ def fit_layers(
     stages' peaks; where that split does not fit, split again with each stage at most the layers
     that fit its type (``layer_cap``); None when the caps hold fewer than the model's layers."""
     speeds = [speed(gpus[t], work.precision) for t in plan.stage_types]
-    fitted = plan.model_copy(update={"stage_layers": balanced(model.layers, speeds)})
-    peaks = worker_peaks(model, fitted, work, gpus)
-    if min(_room(fitted, peaks, gpus, margin)) >= 0:
-        return fitted, peaks
+
+    def fitted(split: tuple[int, ...]) -> tuple[ParallelPlan, tuple[int, ...]] | None:
+        candidate = plan.model_copy(update={"stage_layers": split})
+        peaks = worker_peaks(model, candidate, work, gpus)
+        return (candidate, peaks) if min(_room(candidate, peaks, gpus, margin)) >= 0 else None
+
+    if found := fitted(balanced(model.layers, speeds)):
+        return found
     caps = [layer_cap(model, plan, work, gpus[t], margin, stage) for stage, t in enumerate(plan.stage_types)]
     if min(caps) == 0 or sum(caps) < model.layers:
         return None
-    fitted = plan.model_copy(update={"stage_layers": balanced(model.layers, speeds, caps)})
-    peaks = worker_peaks(model, fitted, work, gpus)
-    if min(_room(fitted, peaks, gpus, margin)) < 0:  # a stage's peak grows with its own layers alone: kept as a check
-        return None
-    return fitted, peaks
+    return fitted(balanced(model.layers, speeds, caps))  # (a stage's peak grows with its own layers alone: checked all the same)
 
 
 def layer_cap(model: ModelSpec, plan: ParallelPlan, work: Workload, gpu: GpuType, margin: MemoryMargin, stage: int) -> int:

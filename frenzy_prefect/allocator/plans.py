@@ -71,7 +71,7 @@ def candidate_plans(
     terms to estimate with (default: the loaded calibration file's; allocator/learning.py's
     ``applied`` gives what a cluster's runs taught)."""
     check_objective(request, cluster)
-    kinds = _usable_kinds(request, cluster)
+    kinds = usable_kinds(request, cluster)
     searched = {name: searched_shapes(model, request, total, largest) for name, (_, total, largest) in kinds.items()}
     _check_search_size(request, cluster, sum(s.size for found in searched.values() for s in found))
     work = request.workload
@@ -116,7 +116,7 @@ def _memory(
     return estimate(model, plan, request.workload, gpu=gpu, calibration=calibration)
 
 
-def _usable_kinds(request: TrainingRequest, cluster: ClusterSpec) -> dict[str, tuple[GpuType, int, int]]:
+def usable_kinds(request: TrainingRequest, cluster: ClusterSpec) -> dict[str, tuple[GpuType, int, int]]:
     """The cluster's GPU types that run the request's precision (``gpu_kinds``)."""
     kinds = gpu_kinds(cluster)
     if request.precision != "bf16":

@@ -98,8 +98,8 @@ class FrenzyMixed(Frenzy):
     def _search(self, waiting: Waiting, plans: list[Ranked], cluster: SimCluster, counts: tuple) -> list[MixedOption]:
         job, spec = waiting.job, cluster.spec
         limit_s = self._run_limit(job, plans) / job.steps
-        speed = {t: cluster_speed(cluster, t) for t in cluster.types}
-        cheapest = min((speed[r.option.gpu_type] * r.option.gpus * r.step_s for r in plans), default=math.inf)
+        throughput = {t: speed(cluster.gpu[t], PRECISION) for t in cluster.types}  # FLOP/s of one GPU of each type
+        cheapest = min((throughput[r.option.gpu_type] * r.option.gpus * r.step_s for r in plans), default=math.inf)
         found: list[MixedOption] = []
         for i, fast in enumerate(counts):
             for slow in counts[i + 1 :]:
@@ -113,7 +113,7 @@ class FrenzyMixed(Frenzy):
             o
             for o in found
             if o.step_s <= limit_s
-            and self.min_efficiency * sum(speed[t] * n for t, n in o.by_type) * o.step_s <= cheapest
+            and self.min_efficiency * sum(throughput[t] * n for t, n in o.by_type) * o.step_s <= cheapest
             and o.fits(cluster.gpu, spec.memory_margin, waiting.underestimate)
         ]
         return sorted(eligible, key=self._mixed_order(cluster))
@@ -133,8 +133,10 @@ def _finish_by_waiting(waiting: Waiting, plans: list[Ranked], cluster: SimCluste
     """When the job would end if it waited for one type instead: the earliest moment a type frees
     the GPUs of its smallest plan there (``frenzy.reserve``, from the running jobs' predicted
     ends), plus that plan's run."""
+    if not plans:
+        return math.inf
     reserved = reserve([r.option for r in plans], cluster)
-    if not plans or reserved.at_s == math.inf:
+    if reserved.at_s == math.inf:
         return math.inf
     smallest = min((r for r in plans if r.option.gpu_type == reserved.gpu_type), key=lambda r: r.option.gpus)
     return reserved.at_s + waiting.job.steps * smallest.step_s
@@ -142,11 +144,6 @@ def _finish_by_waiting(waiting: Waiting, plans: list[Ranked], cluster: SimCluste
 
 def _power_of_two_at_most(n: int) -> int:
     return 1 << (n.bit_length() - 1)
-
-
-def cluster_speed(cluster: SimCluster, gpu_type: str) -> float:
-    """A GPU of ``gpu_type``'s achievable throughput at the trace jobs' precision, FLOP/s."""
-    return speed(cluster.gpu[gpu_type], PRECISION)
 
 
 def _place_each(option: MixedOption, cluster: SimCluster) -> list[Placement] | None:
