@@ -24,31 +24,15 @@ class MemoryOptions:
     schema: docs/architecture.md, Contracts): the model, the plan and the workload."""
 
     def __init__(
-        self,
-        model,
-        dp,
-        tp,
-        pp,
-        micro_batch,
-        global_batch,
-        seq_len,
-        zero,
-        recompute,
-        precision,
-        optimizer,
-        gpu,
-        attention="flash",
-        master_weights=False,
-        stage_layers=None,
+        self, model, plan: ParallelPlan, global_batch, seq_len, precision, optimizer, gpu, attention="flash", master_weights=False
     ):
         from frenzy_prefect.profiling.model import resolve_model
 
         self.spec = resolve_model(model, seq_len=seq_len)
         self.seq_len_default = seq_len is None
-        split = _stage_layers(stage_layers)
-        self.plan = ParallelPlan(dp=dp, tp=tp, pp=pp, micro_batch=micro_batch, zero=zero, recompute=recompute, stage_layers=split)
-        if split is not None:
-            self.plan.layer_split(self.spec.layers)  # names what would be accepted
+        self.plan = plan
+        if plan.stage_layers is not None:
+            plan.layer_split(self.spec.layers)  # names what would be accepted
         self.work = Workload(
             global_batch=self.plan.dp * self.plan.micro_batch if global_batch is None else global_batch,
             seq_len=self.spec.max_seq_len if seq_len is None else seq_len,
@@ -173,23 +157,10 @@ def _memory_command(per_rank: Callable[[MemoryOptions], list[Ranks]], doc: str) 
         cross_entropy_fusion: bool = CE_FUSION,
         reserved: bool = RESERVED,
     ) -> None:
-        w = MemoryOptions(
-            model,
-            dp,
-            tp,
-            pp,
-            micro_batch,
-            global_batch,
-            seq_len,
-            zero,
-            recompute,
-            precision,
-            optimizer,
-            gpu,
-            attention,
-            master_weights,
-            stage_layers,
+        plan = ParallelPlan(
+            dp=dp, tp=tp, pp=pp, stage_layers=_stage_layers(stage_layers), micro_batch=micro_batch, zero=zero, recompute=recompute
         )
+        w = MemoryOptions(model, plan, global_batch, seq_len, precision, optimizer, gpu, attention, master_weights)
         _framework(w, framework, MegatronOptions(sequence_parallel=sequence_parallel, vpp=vpp, cross_entropy_fusion=cross_entropy_fusion))
         groups = per_rank(w)
         if reserved and not w.measured:
