@@ -1,5 +1,5 @@
 """Dispatch through Slurm beside the local launcher, in one run: the embedded stack (a real
-Prefect server on SQLite, moto's S3), a real Slurm cluster on this host (tests/slurm_cluster.py:
+Prefect server on SQLite, moto's S3), a real Slurm cluster on this host (tests/support/slurm_cluster.py:
 slurmctld and four slurmd), its nodes discovered into one cluster block, and two `frenzy` pools
 on it, one per launcher, each with its worker. Each run is a one-GPU gpt-nano job of 3 steps,
 submitted one at a time (each after the last finished), alternating between the pools.
@@ -38,9 +38,10 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/slurm_dispatch.json"))
     args = parser.parse_args()
 
+    from tests.slurm_cluster import missing, slurm_cluster
+
     from frenzy_prefect.localstack import LocalStack
     from tests.conftest import create_pool  # noqa: F401  (imported now: it clears AWS_ENDPOINT_URL, which the stack then sets)
-    from tests.slurm_cluster import missing, slurm_cluster
 
     if why := missing():
         raise SystemExit(f"error: {why}")

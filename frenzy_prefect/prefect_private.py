@@ -1,6 +1,6 @@
 """The private Prefect APIs the shell relies on, in one place (the core's side is
 ``torch_private``). Each is reached only through this module and checked by
-tests/test_private_apis.py for the behaviour used here, so that a Prefect upgrade that changes one
+tests/unit/test_private_apis.py for the behaviour used here, so that a Prefect upgrade that changes one
 fails there by name, with the range pyproject.toml vouches for (it stops before Prefect's next
 minor release for that reason).
 

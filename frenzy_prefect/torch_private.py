@@ -1,6 +1,6 @@
 """The private torch APIs the project relies on, in one place (the core's side; Prefect's are
 ``prefect_private``). Each is reached only through this module and checked by
-tests/test_private_apis.py for the signature and behaviour used here, so that a torch upgrade that
+tests/unit/test_private_apis.py for the signature and behaviour used here, so that a torch upgrade that
 changes one fails there by name, with the range pyproject.toml vouches for (it stops before torch's
 next minor release for that reason).
 

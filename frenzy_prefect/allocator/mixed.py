@@ -6,7 +6,7 @@ throughput (its dense peak at its achievable fraction, ``speed``: the split that
 slowest stage or replica least slow, ``balanced``) under the memory limits: where that split
 does not fit, each stage takes at most the layers that fit its type (``layer_cap``); when the
 caps hold fewer than the model's layers, the plan does not fit. Only what the engine trains is
-searched (``tests/test_mixed.py``; the simulator may ask for every plan the memory model covers):
+searched (``tests/stack/test_mixed.py``; the simulator may ask for every plan the memory model covers):
 stages across types (any dp, each replica's stages alike) with an uneven layer split, or replicas
 across types (pp 1) with an uneven micro-batch split; tp 1, ZeRO 0, no recomputation or full
 recomputation.
