@@ -201,7 +201,7 @@ class Observer(threading.Thread):
         self.done = threading.Event()
 
     def run(self) -> None:
-        from frenzy_prefect.training.manifest import complete_checkpoints
+        from frenzy_prefect.training.manifest import complete_checkpoints, step_of
         from frenzy_prefect.training.resilient.liveness import INCARNATION_ENV
 
         pending = list(self.schedule)
@@ -210,7 +210,7 @@ class Observer(threading.Thread):
                 self.caps.place()
             found = complete_checkpoints(self.job.checkpoint_uri)
             now = time.time()
-            step = int(found[-1].rsplit("-", 1)[1]) if found else None
+            step = step_of(found[-1]) if found else None
             if step is not None and (not self.checkpoints or self.checkpoints[-1][1] != step):
                 self.checkpoints.append((now, step))
                 self.t0 = self.t0 or now

@@ -147,23 +147,28 @@ def set_up(stack, args) -> str:
     set_pool_cluster(POOL, CLUSTER)
     print(f"Cluster:        {CLUSTER} (blocks/{CLUSTER}.yaml: 2 x A10, 2 x T4), the `{POOL}` pool's cluster (frenzy cluster use)")
     stack.start_worker(POOL)
-    request = {
-        "model": MODEL,
-        "global_batch": 32,
-        "seq_len": 128,
-        "steps": args.steps,
-        "precision": "fp32",
-        "log_every": 10,
-        "plan": {"pp": args.pp} if args.pp else None,
-    }
+    request = demo_request(args.steps, args.pp)
     TrainingRequest.model_validate(request | {"dataset": INCOMING})
     with contextlib.redirect_stdout(io.StringIO()):  # (Prefect's table of what it deployed)
         deploy_flows(POOL)
         # The watcher's schedule stays paused: the demo runs the watcher itself, so that the steps
         # show in order (resume the schedule in the UI and it looks every 60 s).
         watcher, trainer = deploy_on_new_data(POOL, INCOMING, request, settle_s=SETTLE_S, approve=True, paused=True)
-    print(f"Deployed:       train-llm/frenzy, distributed-train/frenzy; {watcher}; {trainer}, run on each new version")
+    print(f"Deployed:       train-llm/frenzy, distributed-train/frenzy, node-check/frenzy; {watcher}; {trainer}, run on each new version")
     return trainer
+
+
+def demo_request(steps: int = 80, pp: int = 2) -> dict:
+    """The request the landing trigger trains with (its dataset: each new version under INCOMING)."""
+    return {
+        "model": MODEL,
+        "global_batch": 32,
+        "seq_len": 128,
+        "steps": steps,
+        "precision": "fp32",
+        "log_every": 10,
+        "plan": {"pp": pp} if pp else None,
+    }
 
 
 def land_and_train(stack, trainer: str):
@@ -283,13 +288,20 @@ def print_plans(run_id, shown: int = 4) -> None:
         only = ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]), key=ArtifactFilterKey(any_=["memory-estimates"]))
         (artifact,) = client.read_artifacts(artifact_filter=only)
     rows = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
-    print(f"Plans:          {len(rows)} ranked (the run's memory-estimates artifact); the first {shown}:")
+    print("\n".join(plan_lines(rows, shown)))
+
+
+def plan_lines(rows: list[dict[str, str]], shown: int = 4) -> list[str]:
+    """The first ``shown`` of the memory-estimates artifact's ``rows``, as the demo prints them
+    (docs/demo.md shows them; tests/unit/test_demo_doc.py keeps the two alike)."""
+    lines = [f"Plans:          {len(rows)} ranked (the run's memory-estimates artifact); the first {shown}:"]
     columns = {"#": "#", "gpus": "GPUs", "plan": "plan", "peak GiB": "peak GiB", "step time (predicted)": "step"}
     columns |= {"total time (predicted)": "total", "cost (predicted)": "cost", "fits": "fits"}
     table = [list(columns.values())] + [[f"{r[k]} x {r['gpu']}" if k == "gpus" else r[k] for k in columns] for r in rows[:shown]]
     widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
     for line in table:
-        print(" " * 16 + "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip())
+        lines.append(" " * 16 + "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip())
+    return lines
 
 
 def print_report(stack, found, started: float) -> None:

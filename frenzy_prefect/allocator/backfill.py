@@ -15,6 +15,9 @@ it: it keeps its GPUs, and the head waits longer than its reservation said. A ho
 predicted end is taken to end now (its end is unknown, but no earlier), so nothing backfills on
 the GPUs the head needs behind it. Only the head holds a reservation (EASY backfilling): a run
 second in line may be passed by a backfilled one it would have followed, never the head.
+
+A run pinned to its nodes (a node's check: `frenzy cluster check`) is placed on those only; while
+they are busy it waits without heading its type's line, so a check never holds up a training run.
 """
 
 from __future__ import annotations
@@ -38,11 +41,17 @@ class Want(NamedTuple):
     group: int = 1  # its tensor-parallel width: a node's share is a multiple of it
     predicted_s: float | None = None  # the allocator's predicted time of all its steps
     across: tuple[tuple[str, int], ...] = ()  # a plan across types: GPUs of each, in rank order
+    nodes: tuple[str, ...] = ()  # pinned to these nodes (a node's check); empty: any node of its type
 
     @classmethod
     def of(cls, job: TrainingJob) -> Want:
         a = job.allocation
-        return cls(a.gpu_type, a.plan.gpus, a.plan.tp, a.total_time_s, tuple(a.plan.gpus_by_type().items()))
+        pinned = tuple(p.node for p in a.placements) if job.pinned else ()
+        return cls(a.gpu_type, a.plan.gpus, a.plan.tp, a.total_time_s, tuple(a.plan.gpus_by_type().items()), pinned)
+
+    def usable(self, nodes: list[Node]) -> list[Node]:
+        """The nodes it may be placed on."""
+        return [n for n in nodes if n.name in self.nodes] if self.nodes else nodes
 
     @property
     def parts(self) -> tuple[tuple[str, int], ...]:
@@ -106,8 +115,11 @@ def decide(
             holders.append(Holder(_gpus(placements), ends_at))
             out.append(Start(placements, ends_at, ahead[0].reservation if ahead else None))
             continue
+        n_free = sum(len(free[n.name]) for n in want.usable(nodes) if n.gpu_type in dict(want.parts))
+        if want.nodes:  # pinned to a node that is busy: it waits for that node, outside its type's line
+            out.append(Wait(1, n_free, None))
+            continue
         waiting[want.gpu_type] = waiting.get(want.gpu_type, 0) + 1
-        n_free = sum(len(free[n.name]) for n in nodes if n.gpu_type in dict(want.parts))
         if not ahead:
             reservation = reserve(want, nodes, free, holders, now) if backfill and not want.across else None
             out.append(head := Wait(1, n_free, reservation))
@@ -123,7 +135,7 @@ def decide(
 def reserve(want: Want, nodes: list[Node], free: dict[str, list[int]], holders: list[Holder], now: float) -> Reservation | None:
     """The earliest predicted time ``want`` fits its type's GPUs, and the GPUs it gets then;
     None if a busy GPU of the type has no predicted release (or it never fits)."""
-    of_type = [n for n in nodes if n.gpu_type == want.gpu_type]
+    of_type = [n for n in want.usable(nodes) if n.gpu_type == want.gpu_type]
     busy = {(n.name, i) for n in of_type for i in range(n.gpu_count) if i not in free.get(n.name, [])}
     release: dict[Gpu, float] = {}
     for holder in holders:
@@ -145,7 +157,7 @@ def reserve(want: Want, nodes: list[Node], free: dict[str, list[int]], holders: 
 
 def _place(want: Want, nodes: list[Node], free: dict[str, list[int]], avoiding: frozenset[Gpu] = frozenset()) -> list[Placement] | None:
     usable = {name: [i for i in idx if (name, i) not in avoiding] for name, idx in free.items()} if avoiding else free
-    return place_by_type(want.parts, nodes, usable, group=want.group)
+    return place_by_type(want.parts, want.usable(nodes), usable, group=want.group)
 
 
 def _gpus(placements: list[Placement]) -> frozenset[Gpu]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import typer
 
-from frenzy_prefect.cli import cluster, memory, plan, recycle, simulate
+from frenzy_prefect.cli import check, cluster, memory, plan, recycle, simulate
 from frenzy_prefect.cli.common import OneLineErrors
 
 app = typer.Typer(
@@ -38,6 +38,7 @@ recycle_app.command("simulate")(recycle.simulate)
 cluster_app.command("save")(cluster.cluster_save)
 cluster_app.command("use")(cluster.pool_cluster)
 cluster_app.command("discover")(cluster.cluster_discover)
+cluster_app.command("check")(check.cluster_check)
 recycle_app.command("plan")(recycle.plan)
 
 __all__ = ["app"]

@@ -8,6 +8,7 @@ import typer
 import yaml
 
 from frenzy_prefect.cli.common import echo_json
+from frenzy_prefect.cli.server import prefect_server
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.units import gib
 
@@ -23,6 +24,7 @@ def discover(
 
     from frenzy_prefect.profiling.nodes import node_of, read_gpus
 
+    server = prefect_server(f"FrenzyCluster block {save!r}") if save else None
     name = node or socket.gethostname()
     gpus = read_gpus()
     found = node_of(name, host or socket.gethostname(), gpus)
@@ -37,7 +39,8 @@ def discover(
         link = f"{g.nvlinks} NVLink links" if g.nvlinks else f"PCIe gen {g.pcie_generation} x{g.pcie_width}"
         typer.echo(f"GPU {g.index}: {g.name}, {gib(g.memory_bytes)} GiB, {link}")
     typer.echo(
-        f"node {found.name} (host {found.host}): {found.gpu_count} x {found.gpu_type}" + (f"; saved to block {save!r}" if save else "")
+        f"node {found.name} (host {found.host}): {found.gpu_count} x {found.gpu_type}"
+        + (f"; saved to block {save!r} on Prefect server {server}" if save else "")
     )
 
 
@@ -67,12 +70,16 @@ def deploy(
     fields = {**_request_fields(request), "dataset": on_new_data} if request else {}
     if fields:
         TrainingRequest.model_validate(fields)  # refused now, not at the first landing
+    server = prefect_server(f"the deployments on work pool {pool!r}")
     # Prefect's deployment machinery and the flows take seconds to import: only once the arguments are good.
     from frenzy_prefect.flows.deployments import deploy_flows, deploy_on_new_data
 
     try:
         deploy_flows(pool, name)
-        typer.echo(f"deployed train-llm/{name} and distributed-train/{name} to work pool {pool!r}")
+        typer.echo(
+            f"deployed train-llm/{name} and distributed-train/{name} (and node-check/{name}, for `frenzy cluster check`) "
+            f"to work pool {pool!r} on Prefect server {server}"
+        )
         if on_new_data is not None:
             watcher, trainer = deploy_on_new_data(pool, on_new_data, fields, name, settle_s, every_s, approve)
             typer.echo(f"deployed {watcher} (every {every_s:g} s) and {trainer}, run on each frenzy.dataset.landed of {on_new_data}")
@@ -93,13 +100,27 @@ def _request_fields(path: Path) -> dict:
 def pool_cluster(
     cluster: str = typer.Argument(..., help="FrenzyCluster block the pool's train-llm runs allocate on."),
     pool: str = typer.Option("frenzy", "--pool", help="Work pool (type frenzy), created when there is none."),
+    job_variables: Path | None = typer.Option(
+        None,
+        "--job-variables",
+        help="YAML of the pool's job variables to make its defaults too: the launcher and its settings "
+        "(examples/ssh/, examples/slurm/, examples/kubernetes/job-variables.yaml).",
+    ),
 ) -> None:
     """Make CLUSTER the default cluster of a frenzy work pool (its base job template's `cluster`
-    variable; a run's `cluster` parameter still overrides it)."""
+    variable; a run's `cluster` parameter still overrides it), and with --job-variables the
+    defaults of those variables too."""
+    from frenzy_prefect.pool.template import job_variables as read_variables
     from frenzy_prefect.pool.template import set_pool_cluster
 
-    created = set_pool_cluster(pool, cluster)
-    typer.echo(f"{'created' if created else 'updated'} work pool {pool!r} (type frenzy): its runs allocate on cluster {cluster!r}")
+    variables = read_variables(job_variables, cluster) if job_variables else {}
+    server = prefect_server(f"work pool {pool!r}")
+    created = set_pool_cluster(pool, cluster, variables)
+    others = [name for name in variables if name != "cluster"]
+    typer.echo(
+        f"{'created' if created else 'updated'} work pool {pool!r} (type frenzy) on Prefect server {server}: "
+        f"its runs allocate on cluster {cluster!r}" + (f"; job variables set: {', '.join(others)}" if others else "")
+    )
 
 
 def cluster_save(
@@ -111,8 +132,9 @@ def cluster_save(
 
     block = FrenzyCluster.from_file(file)
     block_name = name or block.cluster.name
+    server = prefect_server(f"FrenzyCluster block {block_name!r}")
     block.save(block_name, overwrite=True)
-    typer.echo(f"saved FrenzyCluster block {block_name!r} ({len(block.cluster.nodes)} nodes)")
+    typer.echo(f"saved FrenzyCluster block {block_name!r} ({len(block.cluster.nodes)} nodes) on Prefect server {server}")
 
 
 def cluster_discover(
@@ -139,6 +161,7 @@ def cluster_discover(
             "say where to discover the cluster: --slurm (Slurm's nodes) or --kubernetes (the cluster's nodes); "
             "`frenzy discover` adds this machine's GPUs"
         )
+    server = prefect_server(f"FrenzyCluster block {save!r}") if save else None
     declared = load_gpu_types(gpu_types) if gpu_types else None
     if slurm:
         spec, free = _from_slurm(save or name or "slurm", partition, declared)
@@ -153,7 +176,9 @@ def cluster_discover(
         return
     for n in spec.nodes:
         typer.echo(f"node {n.name} (host {n.host}): {n.gpu_count} x {n.gpu_type}, {free[n.name]} free now")
-    typer.echo(f"cluster {spec.name!r}: {len(spec.nodes)} nodes" + (f"; saved to block {save!r}" if save else ""))
+    typer.echo(
+        f"cluster {spec.name!r}: {len(spec.nodes)} nodes" + (f"; saved to block {save!r} on Prefect server {server}" if save else "")
+    )
 
 
 def _from_slurm(name: str, partition: str | None, declared):

@@ -4,6 +4,7 @@ traceback), output helpers and the parsing of options several commands take."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -23,6 +24,10 @@ USAGE_EXIT = 2
 def fail(message: str, exit_code: int = USAGE_EXIT) -> None:
     """Print ``error: message`` as one line on stderr and exit (2 by default)."""
     typer.echo(f"error: {' '.join(message.splitlines())}", err=True)
+    # A command that read a block before failing exits with the block's "loaded" event unsent:
+    # Prefect's events worker sends it at exit and warns that it is "still processing" it, a
+    # second line under the error.
+    logging.getLogger("EventsWorker").setLevel(logging.ERROR)
     raise typer.Exit(exit_code)
 
 
@@ -126,9 +131,12 @@ def training_request(
 
 
 def gpu_type(name: str):
-    """A catalog GPU type by name, or a one-line error naming the known ones."""
-    from frenzy_prefect.spec.catalog import GPU_CATALOG
+    """A catalog GPU type by name (case and punctuation ignored, as in cluster files), or a
+    one-line error naming the close and the known ones."""
+    from frenzy_prefect.spec.catalog import GPU_CATALOG, catalog_type, type_key
+    from frenzy_prefect.spec.names import did_you_mean
 
-    if name not in GPU_CATALOG:
-        raise FrenzyError(f"unknown GPU type {name!r}; known: {', '.join(GPU_CATALOG)}")
-    return GPU_CATALOG[name]
+    found = catalog_type(name, GPU_CATALOG)
+    if found is None:
+        raise FrenzyError(f"unknown GPU type {name!r}{did_you_mean(name, GPU_CATALOG, key=type_key)}; known: {', '.join(GPU_CATALOG)}")
+    return GPU_CATALOG[found]

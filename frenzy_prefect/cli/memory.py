@@ -48,17 +48,16 @@ class MemoryOptions:
         self.notes: list[str] = []
         self.measured = False
 
-    def seq_len_note(self) -> str:
-        s = self.work.seq_len
-        return f"seq_len {s} (the model's max_seq_len; set --seq-len)" if self.seq_len_default else f"seq_len {s}"
-
-    def header(self) -> str:
+    def setting(self) -> list[str]:
+        """The plan, and the workload, a line each."""
         w = self.work
         precision = f"{w.precision} weights, fp32 masters" if w.master_weights else w.precision
-        return (
-            f"{self.spec.name} ({self.spec.parameters:,} parameters), {self.plan.label()}, {precision}, "
-            f"{w.attention} attention, {self.seq_len_note()}"
-        )
+        return [f"plan {self.plan.label()}", f"{precision}, {w.attention} attention, seq_len {w.seq_len}"]
+
+    def text_notes(self) -> list[str]:
+        """The notes, led by the default sequence length's (text only: --json has seq_len_default)."""
+        default = [f"seq_len {self.work.seq_len}: the model's max_seq_len (--seq-len sets the one you train at)"]
+        return (default if self.seq_len_default else []) + self.notes
 
     def emit(self, groups: list[Ranks], as_json: bool) -> None:
         out = memory_report(
@@ -68,12 +67,15 @@ class MemoryOptions:
             echo_json(out | {"seq_len_default": self.seq_len_default, "notes": self.notes})
             return
         what = "measured" if self.measured else f"as {self.framework} runs it"
-        typer.echo(f"{self.header()}: peak {gib(out['peak_bytes'])} GiB per GPU ({what})")
+        # The figure first, then what it is of: a line each, not one of 150-210 characters.
+        typer.echo(f"peak {gib(out['peak_bytes'])} GiB per GPU ({what}): {self.spec.name}, {self.spec.parameters:,} parameters")
+        for line in self.setting():
+            typer.echo(f"  {line}")
         if self.gpu is None and not self.measured:
             typer.echo("  figure: tensor bytes only (no CUDA context, NCCL buffers or allocator fragmentation; --gpu adds an overhead)")
         else:
             typer.echo(f"  figure: {out['figure']}")
-        for note in self.notes:
+        for note in self.text_notes():
             typer.echo(f"  {note}")
         table = plain_table(caption="GiB per GPU; ranks that hold the same bytes share a row")
         columns = ("ranks", "stage", "params", "grads", "optimizer", "activations", "other") + (("reserved",) if self.reserved else ())

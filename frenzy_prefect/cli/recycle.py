@@ -170,7 +170,9 @@ def print_case(out: dict) -> None:
     for st in out["stages"]:
         counts = ", ".join(map(str, st["microbatches_per_worker"]))
         row = [str(st["stage"]), str(st["live_workers"]), counts, f"{st['bubble_fraction']:.1%}"]
-        table.add_row(*row, *([", ".join(gib(b) for b in st["peak_bytes_per_worker"])] if peaks else []))
+        fits = st.get("fits_per_worker", [True] * st["live_workers"])
+        cells = [gib(b) + ("" if fit else " (over)") for b, fit in zip(st.get("peak_bytes_per_worker", []), fits, strict=False)]
+        table.add_row(*row, *([", ".join(cells)] if peaks else []))
     title = f"dp={out['dp']} pp={out['pp']} microbatches={out['microbatches']}, failures per stage {out['failures_per_stage']}"
     console = print_table(f"{title}, planner {out['planner']}", table)
     gap = f", gap {out['mip_gap']:.2%}" if out["mip_gap"] is not None else ""
@@ -183,5 +185,20 @@ def print_case(out: dict) -> None:
         f"back to back (staggered optimizer steps): {duration(out['steady_state_period_s'])} per iteration, "
         f"{out['steady_state_relative_throughput']:.1%} of the same without failures"
     )
+    if over := _over_the_gpu(out):
+        console.print(over)
     for worker, program in out.get("actions", {}).items():
         console.print(f"({worker}): {program}", soft_wrap=True)
+
+
+def _over_the_gpu(out: dict) -> str | None:
+    """With --model and --gpu: the line saying how many live workers' peaks exceed the GPU, if any do."""
+    fits = [fit for st in out["stages"] for fit in st.get("fits_per_worker", [])]
+    if all(fits):
+        return None
+    memory = out["memory"]
+    return (
+        f"{fits.count(False)} of {len(fits)} live workers exceed {memory['gpu']}'s usable {gib(memory['usable_bytes'], 1)} GiB "
+        f"({gib(memory['gpu_memory_bytes'], 1)} GiB less the default margin): lower --micro-batch or --seq-len, add stages (--pp) "
+        "or bound the micro-batches in flight (--memory-bound)"
+    )

@@ -11,6 +11,7 @@ from prefect.events import DeploymentEventTrigger
 from prefect.types.entrypoint import EntrypointType
 
 from frenzy_prefect.flows.datasets import watch_datasets
+from frenzy_prefect.flows.node_check import node_check
 from frenzy_prefect.flows.training import distributed_train, train_llm
 
 DEFAULT_NAME = "frenzy"
@@ -18,12 +19,13 @@ DEFAULT_NAME = "frenzy"
 
 def deploy_flows(pool: str, name: str = DEFAULT_NAME) -> list[UUID]:
     """`train-llm/NAME` and `distributed-train/NAME` on ``pool``, the first submitting its
-    training to the second."""
+    training to the second, and `node-check/NAME`, which `frenzy cluster check` runs on each node."""
     return deploy(
         train_llm.to_deployment(
             name=name, entrypoint_type=EntrypointType.MODULE_PATH, parameters={"training_deployment": f"distributed-train/{name}"}
         ),
         distributed_train.to_deployment(name=name, entrypoint_type=EntrypointType.MODULE_PATH),
+        node_check.to_deployment(name=name, entrypoint_type=EntrypointType.MODULE_PATH),
         work_pool_name=pool,
         build=False,
         push=False,

@@ -19,10 +19,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from uuid import UUID
 
-from prefect.client.orchestration import get_client
 from prefect.logging.handlers import APILogHandler
 from prefect.states import Crashed
 
+from frenzy_prefect.flows.brief_reports import brief_client, leave_now, server_is_away
 from frenzy_prefect.launch.failure import describe, failure_in_attempt
 from frenzy_prefect.spec.plan import TrainingJob
 
@@ -46,20 +46,23 @@ def _death_in(attempt: int, job: TrainingJob) -> tuple[int, str] | None:
     return report["rank"], describe(node, report)
 
 
-def _report_crashed(flow_run_id: UUID, message: str) -> bool:
+def _report_crashed(flow_run_id: UUID, message: str, exit_code: int) -> bool:
+    """Whether the run was marked Crashed with ``message``; the server away, this process ends."""
     try:
-        with get_client(sync_client=True) as client:
+        with brief_client() as client:
             client.set_flow_run_state(flow_run_id, Crashed(message=message), force=True)
-    except Exception:  # the server away: the engine reports the crash, and the worker names it
-        return False
+    except Exception as exc:
+        if server_is_away(exc):
+            leave_now(exit_code)
+        return False  # the engine reports the crash, and the worker names it
     return True
 
 
 def _crash_if_a_peer_died(flow_run_id: UUID, job: TrainingJob, exit_code: int) -> None:
     """If another rank died in this attempt: the run marked Crashed naming it, and this process
-    ended (the engine must not report the crash again); else nothing."""
+    ended (the engine must not report the crash again; nor can it, the server away); else nothing."""
     death = _death_in(_attempt(), job)
-    if death is not None and death[0] != int(os.environ.get("RANK", 0)) and _report_crashed(flow_run_id, death[1]):
+    if death is not None and death[0] != int(os.environ.get("RANK", 0)) and _report_crashed(flow_run_id, death[1], exit_code):
         try:
             APILogHandler().flush()  # what rank 0 logged so far: os._exit skips the flush at exit
         finally:

@@ -240,14 +240,33 @@ def allocate(
     return chosen
 
 
+class TrainingRunEnded(FrenzyError):
+    """The training flow run ended other than Completed; the message is its cause in one line."""
+
+
+ENDED_MESSAGE_CHARS = 500
+
+
+def ended_message(name: str, state_name: str, message: str | None) -> str:
+    """``training run NAME crashed: CAUSE``: the training run's state message, less Prefect's
+    "Flow run encountered an exception: " and all but its first line."""
+    lines = (message or "").removeprefix("Flow run encountered an exception: ").strip().splitlines()
+    cause = lines[0].strip() if lines else "no reason given"
+    return f"training run {name} {state_name.lower()}: {cause}"[:ENDED_MESSAGE_CHARS]
+
+
 @task
-def train(job: TrainingJob, deployment: str) -> tuple[TrainingResult, str]:
-    """Dispatch the job's ranks through the `frenzy` work pool and wait for them."""
+def train(job: TrainingJob, deployment: str) -> tuple[TrainingResult | None, str]:
+    """Dispatch the job's ranks through the `frenzy` work pool and wait for them: (the result,
+    the training flow run's id), or (None, its name) when that run was cancelled.
+    TrainingRunEnded names the cause when it failed or crashed."""
     run = run_deployment(deployment, parameters={"job": job.model_dump(mode="json")}, poll_interval=2)
+    if run.state is not None and run.state.is_cancelled():
+        get_run_logger().info(f"training run {run.name} was cancelled: {run.state.message or 'no reason given'}")
+        return None, run.name
     if run.state is None or not run.state.is_completed():
-        state = run.state.name if run.state else "unknown"
-        message = run.state.message if run.state else ""
-        raise RuntimeError(f"training flow run {run.name} ended {state}: {message}")
+        state = run.state.name if run.state else "ended in an unknown state"
+        raise TrainingRunEnded(ended_message(run.name, state, run.state.message if run.state else None))
     with open_uri(job.metrics_uri, "r") as f:
         return TrainingResult.model_validate_json(f.read()), str(run.id)
 

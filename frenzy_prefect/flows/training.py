@@ -3,12 +3,18 @@ ranks, which the `frenzy` worker starts)."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import NoReturn
+
 from prefect import flow, pause_flow_run
 from prefect.context import FlowRunContext
 from prefect.input import RunInput
 from prefect.logging import get_run_logger
+from prefect.logging.handlers import APILogHandler
 from prefect.runtime import flow_run
-from prefect.states import Cancelled, State
+from prefect.states import Cancelled, Failed, State
 from pydantic import Field
 
 from frenzy_prefect.blocks import cluster_block_name
@@ -83,7 +89,24 @@ def train_llm(
     block; default: the `cluster` variable of the frenzy work pool the run is on. The ranked
     plans (predicted memory, time, cost) are the `memory-estimates` artifact; ``plan_only`` stops
     there, and ``approve`` pauses there for a person to accept the first, pick another or
-    decline, before any GPU is asked for."""
+    decline, before any GPU is asked for.
+
+    A cause the run can name (bad input, missing data, no plan that fits, the training run's
+    failure) ends it Failed with that one line as its state message, which `prefect deployment
+    run --watch` and the UI's run list show; a cancelled training run ends it Cancelled."""
+    context = FlowRunContext.get()
+    try:
+        with sigterm_cancels_when_cancelling(context.flow_run.id) if context and context.flow_run else nullcontext():
+            return _train_llm(request, cluster, training_deployment, approve, plan_only, approval_timeout_s)
+    except FrenzyError as exc:
+        if context is not None and context.flow_run is not None and context.flow_run.run_count <= context.flow.retries:
+            raise  # (the engine retries it)
+        return Failed(message=str(exc))
+
+
+def _train_llm(
+    request: TrainingRequest, cluster: str | None, training_deployment: str, approve: bool, plan_only: bool, approval_timeout_s: int
+) -> TrainingReport | State | None:
     cluster = cluster_block_name(cluster)  # before any work: a run that names no cluster fails at once
     model = profile_model(request)
     data = request.dataset
@@ -112,6 +135,8 @@ def train_llm(
         run=flow_run.get_id() or "local",  # a retry of this flow run resumes from its checkpoints
     )
     result, training_run = train(job, training_deployment)
+    if result is None:  # (training_run: its name then)
+        return Cancelled(message=f"its training run {training_run} was cancelled")
     summary = report(job, result, training_run)
     record_run(job, result, training_run, store)
     return summary
@@ -122,6 +147,7 @@ def distributed_train(job: TrainingJob) -> TrainingResult:
     """Rank 0 of a training job (the `frenzy` worker starts the other ranks beside it)."""
     # (imported here: torch and the trainer are rank 0's alone, not every flow run's of this module)
     from frenzy_prefect.training.distributed import DistributedContext
+    from frenzy_prefect.training.fence import Fenced
     from frenzy_prefect.training.resilient.supervisor import supervise
     from frenzy_prefect.training.trainer import train as train_ranks
 
@@ -134,6 +160,8 @@ def distributed_train(job: TrainingJob) -> TrainingResult:
                 result = supervise(job, DistributedContext.from_env(), log=log, notify=notify)
             else:
                 result = train_ranks(job, DistributedContext.from_env(), log=log, notify=notify)
+        except Fenced as exc:
+            _fenced_exit(exc, log)
         except Exception as exc:
             if restarts_left() <= 0:  # (else torchrun starts the ranks again)
                 report("failed", {"error": f"{type(exc).__name__}: {exc}"[:500]})
@@ -142,3 +170,14 @@ def distributed_train(job: TrainingJob) -> TrainingResult:
             report.close()
     report("completed", {"steps": result.steps, "loss": result.losses[-1], "checkpoint": result.checkpoint})
     return result
+
+
+def _fenced_exit(exc: Exception, log: Callable[[str], None]) -> NoReturn:
+    """A newer generation of the run's attempts holds the run (training.fence): its one line,
+    and an exit 0 with no state, event or artifact. The flow run is the newer generation's too
+    (a restart on another node runs it again), and torchrun restarts no rank that exited 0."""
+    log(str(exc))
+    try:
+        APILogHandler().flush()  # os._exit skips the handler's own flush at exit
+    finally:
+        os._exit(0)

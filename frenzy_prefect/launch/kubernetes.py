@@ -34,8 +34,8 @@ from frenzy_prefect.launch.failure import ended, write_report
 from frenzy_prefect.launch.kubernetes_client import api_client
 from frenzy_prefect.launch.kubernetes_inventory import free_counts, read_cluster
 from frenzy_prefect.launch.kubernetes_manifest import JOB_LABEL, JOBSET_API, KubernetesSubmission, manifests, object_name
-from frenzy_prefect.launch.node_restart import moved_job, replacements, resume_point
-from frenzy_prefect.launch.watcher import ALREADY_LOGGED
+from frenzy_prefect.launch.node_restart import claimed_for_restart, moved_job, replacements
+from frenzy_prefect.launch.watcher import ALREADY_LOGGED, CondensedOutput
 from frenzy_prefect.spec.plan import JOB_ENV, TrainingJob
 
 SUBMISSION_ENV = "FRENZY_KUBERNETES_SUBMISSION"
@@ -230,7 +230,7 @@ class Watcher:
 
     async def restarted(self) -> bool:
         """After a pod's failure: True when the run goes on as new objects, resuming from its
-        last complete checkpoint, a lost node replaced by a like one (launch.node_restart); a
+        last committed checkpoint, a lost node replaced by a like one (launch.node_restart); a
         restart of ``max_restarts`` spent (torchrun gets the rest inside the new pods)."""
         if self.cancelled.is_set() or self.sub.max_restarts <= 0 or JOB_ENV not in self.sub.env:
             return False
@@ -252,17 +252,19 @@ class Watcher:
             return False
         job = moved_job(TrainingJob.model_validate_json(self.sub.env[JOB_ENV]), moves)
         self.restarts += 1
+        # The new pods as the run's next generation: a lost node's pods may live on, and its node come back.
+        env, resumes = await asyncio.to_thread(claimed_for_restart, job, {**self.sub.env, JOB_ENV: job.model_dump_json()})
         self.sub = self.sub.model_copy(
             update={
                 "name": object_name(f"{self.sub.flow_run_name or 'run'} r{self.restarts}", self.sub.flow_run_id),
                 "nodes": [n.model_copy(update={"node": moves[n.node].name}) if n.node in moves else n for n in self.sub.nodes],
                 "max_restarts": self.sub.max_restarts - 1,
-                "env": {**self.sub.env, JOB_ENV: job.model_dump_json()},
+                "env": env,
             }
         )
         where = ", ".join(f"{n.node} x{n.gpus}" for n in self.sub.nodes)
         why = f"node {', '.join(lost)} lost" if lost else "a pod failed"
-        self.say(f"{why}; restarting from {resume_point(job)} as {self.sub.name} on {where} ({self.sub.max_restarts} restart(s) left)")
+        self.say(f"{why}; restarting from {resumes} as {self.sub.name} on {where} ({self.sub.max_restarts} restart(s) left)")
         return True
 
     async def _watch(self) -> dict[str, object] | None:
@@ -311,17 +313,21 @@ class Watcher:
         return None if len(succeeded) == len(self.sub.nodes) else False
 
     async def _forward_log(self, pod: str) -> None:
-        """The pod's log lines, as they come, prefixed with its name."""
+        """The pod's log lines, as they come, prefixed with its name, tracebacks condensed to a
+        line naming where the whole output is (CondensedOutput)."""
         from kubernetes_asyncio import client
 
         core = client.CoreV1Api(self.api)
+        namespace = self.sub.settings.namespace
+        condensed = CondensedOutput(f"`kubectl logs -n {namespace} {pod}`")
         try:
-            response = await core.read_namespaced_pod_log(pod, self.sub.settings.namespace, follow=True, _preload_content=False)
+            response = await core.read_namespaced_pod_log(pod, namespace, follow=True, _preload_content=False)
             async with response:
                 async for raw in response.content:
                     line = raw.decode(errors="replace").rstrip("\n")
                     if not ALREADY_LOGGED.match(line):
-                        self.say(f"[{pod}] {line}")
+                        for said in condensed.feed(line):
+                            self.say(f"[{pod}] {said}")
         except (TimeoutError, client.ApiException, OSError) as exc:
             self.say(f"[{pod}] log not available: {type(exc).__name__}")
 

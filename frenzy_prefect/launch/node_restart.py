@@ -3,13 +3,15 @@ new job goes.
 
 When a node of the run fails (its Slurm job ends NODE_FAIL, its pod is evicted from a lost
 node), the job cannot go on where it was, so the launcher's watcher submits a new one, which
-resumes from the last complete checkpoint as torchrun's own restarts do. Each node that failed
-is replaced by another node of the same GPU kind (Slurm's GRES type, Kubernetes' GPU product)
-with at least as many GPUs, one that takes jobs now and is not already the run's; among those,
-nodes that have not failed in this run first (a node set down by hand may return at once), then
-the ones with the most GPUs free now (others' jobs are respected). The other nodes stay. The
-run's TrainingJob moves with it: the replaced placement names the new node and its address, so
-the ranks' accounts of a death name the node they ran on. Core only: no Prefect, no subprocess.
+resumes from the last committed checkpoint as torchrun's own restarts do, as the run's next
+generation (training.fence: the old job's ranks, if they live on, commit nothing more). Each
+node that failed is replaced by another node of the same GPU kind (Slurm's GRES type,
+Kubernetes' GPU product) with at least as many GPUs, one that takes jobs now and is not already
+the run's; among those, nodes that have not failed in this run first (a node set down by hand
+may return at once), then the ones with the most GPUs free now (others' jobs are respected).
+The other nodes stay. The run's TrainingJob moves with it: the replaced placement names the new
+node and its address, so the ranks' accounts of a death name the node they ran on. Core only: no
+Prefect, no subprocess.
 """
 
 from __future__ import annotations
@@ -78,12 +80,20 @@ def moved_job(job: TrainingJob, moves: dict[str, NodeNow]) -> TrainingJob:
     return job.model_copy(update={"allocation": allocation})
 
 
-def resume_point(job: TrainingJob) -> str:
-    """``step S``: the step of the checkpoint a restarted job resumes from (``step 0``: none)."""
-    from frenzy_prefect.training.manifest import latest  # object storage's clients: only when a run restarts
+def claimed_for_restart(job: TrainingJob, env: dict[str, str]) -> tuple[dict[str, str], str]:
+    """The new job's environment, its attempt the launcher's next submission (training.fence's
+    ATTEMPT_ENV), and where it resumes: ``step S (generation G)``. The run's next generation is
+    claimed for the new job here, before it is submitted, so that the failed node's ranks, if
+    they live on (a node cut off, its slurmd dead), are fenced from now on, and S is exactly the
+    checkpoint the new job resumes from (unless that one turns out corrupt: its rank 0 says).
+    Where the storage cannot be reached from here, the new job's rank 0 claims the run itself."""
+    from frenzy_prefect.training.fence import ATTEMPT_ENV, attempt_key, claim, next_submission  # object storage's clients
 
+    if not env.get(ATTEMPT_ENV):
+        return env, "its last committed checkpoint"
+    env = {**env, ATTEMPT_ENV: next_submission(env[ATTEMPT_ENV])}
     try:
-        found = latest(job.checkpoint_uri)
-    except Exception:  # storage unreachable from here: the new job's rank 0 logs what it resumed from
-        return "its last complete checkpoint"
-    return f"step {found[1].step if found else 0}"
+        held = claim(job.checkpoint_uri, attempt_key({ATTEMPT_ENV: env[ATTEMPT_ENV]}))
+    except Exception:  # (storage unreachable from here, or a newer attempt holds the run: the new job's rank 0 finds out)
+        return env, "its last committed checkpoint"
+    return env, f"step {held.committed[0].step if held.committed else 0} (generation {held.generation})"

@@ -6,14 +6,18 @@ step on exactly the allocator's nodes (``--nodelist``), ``--gres=gpu:TYPE:N`` on
 heterogeneous job when the nodes' counts or types differ), ``--no-requeue`` (a silent requeue
 hides a failure). Its stdout is the job's story for the flow run's log: the job's id, each new
 pending reason, the placement Slurm made (``scontrol -d show job``: nodes and GPU indices) and
-every line of the nodes' log files, prefixed with the node. It exits with the job's outcome (0
+every line of the nodes' log files, prefixed with the node (a traceback condensed to a line:
+watcher.CondensedOutput). It exits with the job's outcome (0
 when COMPLETED), leaving the first failure's account in the launcher's failure file: the rank
 that failed, or the node a NODE_FAIL lost. SIGTERM (the worker cancelling the run, or dying:
 orphan_guard) ``scancel``s the job: Slurm sends the ranks SIGTERM first, then SIGKILL after
-KillWait. So no Slurm job outlives the worker that watches it; a new worker does not adopt it.
+KillWait, and the watcher exits once they are gone (each node's task marks its agent's end), so
+that the run's GPUs are released only then. So no Slurm job outlives the worker that watches it;
+a new worker does not adopt it.
 With ``max_restarts``, a job that ends NODE_FAIL is followed by a new one on a replacement for
-the failed node (launch.node_restart), which resumes from the last complete checkpoint; the
-flow run stays Running meanwhile (rank 0 leaves without a final state while restarts are left).
+the failed node (launch.node_restart), which resumes from the last committed checkpoint as the
+run's next generation (the old job's ranks, alive on a node Slurm lost, are fenced: they stop);
+the flow run stays Running meanwhile (rank 0 leaves without a final state while restarts are left).
 """
 
 from __future__ import annotations
@@ -32,19 +36,21 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.launch.command import Launch
 from frenzy_prefect.launch.failure import read_report, write_report
-from frenzy_prefect.launch.node_restart import moved_job, moved_nodes, replacements, resume_point
+from frenzy_prefect.launch.node_restart import claimed_for_restart, moved_job, moved_nodes, replacements
 from frenzy_prefect.launch.slurm_inventory import SlurmNode, parse_records, read_nodes, run_cli, slurm_env
-from frenzy_prefect.launch.slurm_job import SPEC_ENV, failure_file, node_order
-from frenzy_prefect.launch.watcher import ALREADY_LOGGED
+from frenzy_prefect.launch.slurm_job import SPEC_ENV, ended_marker, failure_file, node_order
+from frenzy_prefect.launch.watcher import ALREADY_LOGGED, CondensedOutput
 from frenzy_prefect.spec.plan import JOB_ENV, TrainingJob
 
 # The watcher's lines that tell the worker where the job stands (the rest it only logs).
 SUBMITTED, PENDING, PLACED = "Submitted Slurm job ", "Slurm job {job} pending: ", "Slurm placed job {job}: "
 POLL_S = 0.5
-CANCEL_WAIT_S = 15.0  # after scancel, for the job to leave RUNNING (Slurm's KillWait is 30 s by default; ranks go on SIGTERM)
+CANCEL_SLACK_S = 5.0  # after scancel, past Slurm's KillWait (its SIGKILL), before the watcher gives up on the ranks' end
+NOT_YET_SCHEDULED = "not yet looked at by Slurm's scheduler"  # what Slurm's Reason=None means for a pending job
 # After a node failure, before the new job: Slurm ends the job at once but a failed node's ranks
-# may live on a few seconds (KillWait, or a node cut off rather than dead) and write one more
-# checkpoint; the new job must resume from the newest one, not race it.
+# may live on (KillWait, a node cut off, a dead slurmd) and commit one more checkpoint, which the
+# new job then resumes from. After it the run's next generation is claimed for the new job, and
+# what the old ranks commit is refused (training.fence): they stop.
 RESTART_GRACE_S = 10.0
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "NODE_FAIL", "TIMEOUT", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
 _KEEP_OUT = {"CUDA_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL", "ROCR_VISIBLE_DEVICES"}  # Slurm sets them for the GPUs it gives
@@ -162,11 +168,13 @@ def exit_code(state: str, records: list[dict[str, str]]) -> int:
 
 class LogTail:
     """New complete lines of the log files in a directory, each prefixed with its file's name
-    (the node's), less those rank 0 sent to the run's log itself."""
+    (the node's), less those rank 0 sent to the run's log itself, tracebacks condensed to a
+    line (CondensedOutput)."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self._offsets: dict[Path, int] = {}
+        self._condensed: dict[Path, CondensedOutput] = {}
 
     def lines(self) -> list[str]:
         out = []
@@ -176,8 +184,10 @@ class LogTail:
                 data = f.read()
             end = data.rfind(b"\n") + 1
             self._offsets[path] = self._offsets.get(path, 0) + end
-            lines = data[:end].decode(errors="replace").splitlines()
-            out += [f"[{path.stem}] {line}" for line in lines if not ALREADY_LOGGED.match(line)]
+            condensed = self._condensed.setdefault(path, CondensedOutput(str(path)))
+            for line in data[:end].decode(errors="replace").splitlines():
+                if not ALREADY_LOGGED.match(line):
+                    out += [f"[{path.stem}] {said}" for said in condensed.feed(line)]
         return out
 
 
@@ -244,31 +254,54 @@ class Watcher:
                 return self.outcome(state, records, log_dir)
 
     def follow(self, log_dir: Path) -> tuple[str, list[dict[str, str]]]:
-        """Poll the job until it ends (or is cancelled), telling its news and its nodes' log lines."""
-        tail, state, said, cancelled_at = LogTail(log_dir), "PENDING", "", None
+        """Poll the job until it ends, telling its news and its nodes' log lines. Cancelled, until
+        its ranks are gone: every node's task marked ended, or Slurm shows the job ended, or
+        Slurm's KillWait (after which it kills them) and CANCEL_SLACK_S have passed."""
+        tail, state, said, give_up_at = LogTail(log_dir), "PENDING", "", None
         while True:
-            if self.cancel_requested and cancelled_at is None:
+            if self.cancel_requested and give_up_at is None:
                 run_cli(["scancel", self.job_id], self.conf)
-                cancelled_at = time.monotonic()
-                self.say(f"Cancelled Slurm job {self.job_id} (scancel)")
+                give_up_at = time.monotonic() + self.kill_wait_s() + CANCEL_SLACK_S
+                self.say(f"Cancelling Slurm job {self.job_id} (scancel): SIGTERM to its ranks, SIGKILL after Slurm's KillWait")
             records = self.records()
             state, reason = job_state(records)  # type: ignore[arg-type]
-            news = f"{PENDING.format(job=self.job_id)}{reason}" if state == "PENDING" else ""
-            if state == "RUNNING" and not said.startswith("Slurm placed"):
-                news = f"{PLACED.format(job=self.job_id)}{', '.join(placement(self.records(detail=True)))}"  # type: ignore[arg-type]
-            if news and news != said:
-                self.say(news)
-                said = news
+            said = self._tell_news(state, reason, said)
             for line in tail.lines():
                 self.say(line)
             if state in TERMINAL or state == "GONE":
                 break
-            if cancelled_at is not None and (state != "RUNNING" or time.monotonic() - cancelled_at > CANCEL_WAIT_S):
+            if give_up_at is not None and (self.ranks_ended(log_dir) or time.monotonic() > give_up_at):
                 break
             time.sleep(POLL_S)
         for line in tail.lines():
             self.say(line)
         return state, records  # type: ignore[return-value]
+
+    def _tell_news(self, state: str, reason: str, said: str) -> str:
+        """Say why the job is pending (Slurm's reason, "None" until its scheduler has looked at
+        it) or where Slurm placed it, once each; what was said last."""
+        news = ""
+        if state == "PENDING":
+            news = f"{PENDING.format(job=self.job_id)}{reason if reason not in ('', 'None') else NOT_YET_SCHEDULED}"
+        elif state == "RUNNING" and not said.startswith("Slurm placed"):
+            news = f"{PLACED.format(job=self.job_id)}{', '.join(placement(self.records(detail=True)))}"  # type: ignore[arg-type]
+        if news and news != said:
+            self.say(news)
+            return news
+        return said
+
+    def ranks_ended(self, log_dir: Path) -> bool:
+        """Whether every node's task has marked its ranks ended (slurm_job.ended_marker)."""
+        return all(Path(ended_marker(str(log_dir), node)).exists() for node, _ in self.sub.nodes)
+
+    def kill_wait_s(self) -> float:
+        """Slurm's KillWait: how long it gives a cancelled job's processes after SIGTERM before
+        SIGKILL (``scontrol show config``; 30 s, its default, where that cannot be read)."""
+        try:
+            found = re.search(r"^KillWait\s*=\s*(\d+)", run_cli(["scontrol", "show", "config"], self.conf), re.MULTILINE)
+        except FrenzyError:
+            found = None
+        return float(found.group(1)) if found else 30.0
 
     def restarted_elsewhere(self) -> bool:
         """After a NODE_FAIL: True when the run goes on as a new job, its lost nodes replaced
@@ -285,10 +318,11 @@ class Watcher:
             return False
         self.say(f"Slurm job {self.job_id} ended NODE_FAIL")
         job = moved_job(TrainingJob.model_validate_json(self.env[JOB_ENV]), moves)
-        self.env[JOB_ENV] = job.model_dump_json()
+        # The new job as the run's next generation: the lost node's ranks may live on (a dead slurmd, a cut-off node).
+        self.env, resumes = claimed_for_restart(job, {**self.env, JOB_ENV: job.model_dump_json()})
         self.sub = self.sub.model_copy(update={"nodes": moved_nodes(self.sub.nodes, moves), "max_restarts": self.sub.max_restarts - 1})
         where = ", ".join(m.name for m in moves.values())
-        self.say(f"node {', '.join(lost)} failed; restarting from {resume_point(job)} on {where} ({self.sub.max_restarts} restart(s) left)")
+        self.say(f"node {', '.join(lost)} failed; restarting from {resumes} on {where} ({self.sub.max_restarts} restart(s) left)")
         return True
 
     def wait_out(self, seconds: float) -> bool:
@@ -307,9 +341,15 @@ class Watcher:
 
     def outcome(self, state: str, records: list[dict[str, str]], log_dir: Path) -> int:
         """The exit code, and the first failure's account in the launcher's failure file."""
-        self.say(f"Slurm job {self.job_id} ended {state}")
         if self.cancel_requested:
+            if self.ranks_ended(log_dir) or state in TERMINAL or state == "GONE":
+                self.say(f"Slurm job {self.job_id} cancelled (scancel): every rank stopped")
+            else:
+                self.say(
+                    f"Slurm job {self.job_id} cancelled (scancel): its ranks not all ended {CANCEL_SLACK_S:g} s past KillWait ({state})"
+                )
             return 128 + signal.SIGTERM
+        self.say(f"Slurm job {self.job_id} ended {state if state != 'GONE' else '(no longer in Slurm records)'}")
         code = exit_code(state, records)
         if code == 0:
             return 0

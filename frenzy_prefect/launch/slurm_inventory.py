@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from frenzy_prefect.errors import FrenzyError
-from frenzy_prefect.spec.catalog import GPU_CATALOG
+from frenzy_prefect.spec.catalog import GPU_CATALOG, catalog_type
 from frenzy_prefect.spec.cluster import ClusterSpec, Node
 from frenzy_prefect.spec.gpu import GpuType
 
@@ -158,16 +158,6 @@ def read_nodes(conf: Path | None = None, names: list[str] | None = None) -> list
     """Slurm's nodes (all, or ``names``), in Slurm's order, with what their GPUs hold now."""
     argv = ["scontrol", "-d", "-o", "show", "node"] + ([",".join(names)] if names else [])
     return [node_of(r) for r in parse_records(run_cli(argv, conf)) if "NodeName" in r]
-
-
-def _key(name: str) -> str:
-    return re.sub(r"[^a-z0-9]", "", name.lower())
-
-
-def catalog_type(slurm_type: str, known: dict[str, GpuType]) -> str | None:
-    """The known GPU type whose name matches Slurm's GRES type, ignoring case and punctuation."""
-    matches = [name for name in known if _key(name) == _key(slurm_type)]
-    return matches[0] if matches else None
 
 
 def cluster_from_slurm(

@@ -7,6 +7,8 @@ port picked free there. It then starts one ``srun`` step, one task per node, eac
 log file, killed whole if one task fails (``--kill-on-bad-exit``). Each task starts its node's
 torchrun agent on the GPUs Slurm gave the step: Slurm sets CUDA_VISIBLE_DEVICES (and confines
 the step to those devices); this module only reports them (SLURM_STEP_GPUS: physical indices).
+Once its agent has exited, each task marks its node ended (``ended_marker``): the watcher frees
+the run's GPUs only once every node's ranks are gone.
 Standard library only, plus the launch modules the nodes already import.
 """
 
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
 
 from frenzy_prefect.launch.failure import FAILURE_FILE_ENV
@@ -83,7 +87,28 @@ def node(spec: dict) -> None:
         master=os.environ[MASTER_ENV],
         max_restarts=spec["max_restarts"],
     )
-    os.execvpe(argv[0], argv, env)
+    sys.exit(_agent_then_mark_ended(argv, env, ended_marker(spec["log_dir"], here)))
+
+
+def ended_marker(log_dir: str, node: str) -> str:
+    """The file a node's task writes once its torchrun agent, and so every rank there, has
+    exited: Slurm shows a cancelled job COMPLETING, not yet CANCELLED, while its ranks still
+    stop (rank 0 reporting the run's end), and for seconds after they have."""
+    return os.path.join(log_dir, f"ended-{node}")
+
+
+def _agent_then_mark_ended(argv: list[str], env: dict[str, str], marker: str) -> int:
+    """Run the agent as a child, wait for it, write ``marker``; its exit status as the task's.
+    Slurm signals every process of the step (scancel, --kill-on-bad-exit): the agent passes a
+    SIGTERM on to its ranks and waits for them, and this process waits for the agent (a no-op
+    handler: ignoring the signal would pass SIG_IGN on to the agent)."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: None)
+    agent = subprocess.Popen(argv, env=env)
+    code = agent.wait()
+    with open(marker, "w") as f:
+        f.write(f"{code}\n")
+    return 128 - code if code < 0 else code  # killed by a signal: 128 + its number, as a shell says
 
 
 def main() -> None:

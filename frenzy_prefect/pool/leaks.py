@@ -22,6 +22,10 @@ Such slots are freed by name, by one worker at a time (a lock: a limit of its ow
 lease), each row read again just before, and each decrement sent once: a second one, by
 another worker or a retry, could free a GPU that a run took in between.
 
+A run whose worker is lost still claims its GPUs; the worker that reclaims it gives them back at
+once, under the same lock (give_back_unclaimed), rather than leave them to this sweep, which
+would count them claimed for RECENTLY_ENDED_S after the run's end, then wait LEAK_AFTER_S.
+
 (Assumed: the server runs its repossessor, as Prefect's does by default; and a run's GPUs are
 claimed only through this pool's workers.)
 """
@@ -33,6 +37,7 @@ import time
 from datetime import UTC, datetime, timedelta
 from uuid import UUID
 
+import anyio
 from prefect.client.orchestration import PrefectClient
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterEndTime, FlowRunFilterState, FlowRunFilterStateType
@@ -95,15 +100,47 @@ class LeakedGpus:
         return freed
 
 
-async def claimed_gpus(client: PrefectClient) -> set[str]:
+async def give_back_unclaimed(client: PrefectClient, run_id: UUID, lock_wait_s: float = LOCK_TRUSTED_S) -> list[str] | None:
+    """Give back, by name, the GPUs that run ``run_id`` claims and no other run does, whose
+    slots are still held: what a reclaimed run held under a lease the server no longer knows.
+    Returns their names; None when another worker kept the lock for ``lock_wait_s`` (the sweep
+    then gives them back later).
+
+    Safe because the lease is gone from the server's storage: forgotten in a restart (its
+    counts are still this run's, and nothing else frees them), or expired or revoked (the
+    server decremented its slots first, and a run that took one since claims it: it is left).
+    Under the lock, and only while the run still claims them: a second reclaimer, or a sweep,
+    decrements nothing twice."""
+    deadline = time.monotonic() + lock_wait_s
+    while (lock := await _take_lock(client)) is None:
+        if time.monotonic() > deadline:
+            return None
+        await anyio.sleep(0.5)
+    try:
+        names = str((await client.read_flow_run(run_id)).labels.get(run_labels.GPUS) or "").split()
+        if not names:
+            return []  # another worker gave them back first
+        held = {limit.name for limit in await gpu_limits(client) if limit.active_slots >= limit.limit}
+        others = await claimed_gpus(client, but=run_id) if held else set()  # (read after the rows: see the module doc)
+        freed = [name for name in names if name in held and name not in others]
+        if freed:
+            await give_back_slots(client, freed, "giving back a reclaimed run's GPUs")
+        await client.update_flow_run_labels(run_id, {run_labels.GPUS: ""})
+        return freed
+    finally:
+        await client.release_concurrency_slots_with_lease(lock)
+
+
+async def claimed_gpus(client: PrefectClient, but: UUID | None = None) -> set[str]:
     """The GPU limits claimed by runs that are live, or ended recently enough to be giving
-    their GPUs back (any pool: a cluster's GPUs may serve several)."""
+    their GPUs back (any pool: a cluster's GPUs may serve several); ``but``: except that run's."""
     live = FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=_LIVE)))
     ended = FlowRunFilter(end_time=FlowRunFilterEndTime(after_=datetime.now(UTC) - timedelta(seconds=RECENTLY_ENDED_S)))
     claimed: set[str] = set()
     for runs in (live, ended):
         for run in await _all_runs(client, runs):
-            claimed.update(str(run.labels.get(run_labels.GPUS) or "").split())
+            if run.id != but:
+                claimed.update(str(run.labels.get(run_labels.GPUS) or "").split())
     return claimed
 
 

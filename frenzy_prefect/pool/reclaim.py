@@ -9,8 +9,9 @@ this host, or, on another host, when Prefect shows that worker OFFLINE. Then:
   worker of the pool to take, keeping its place in the GPU queue (its creation time);
 - any other run has what is left of its processes here stopped, its Kubernetes objects deleted
   (kubernetes launcher: its watcher, which deletes them when its worker dies, may have died
-  with the worker's machine), its GPUs released at once (instead of when the lease expires) and,
-  if not final yet, is marked Crashed, naming the lost worker.
+  with the worker's machine), its GPUs given back at once (instead of when the lease expires, or,
+  if the server forgot the lease in a restart, when the leak sweep finds them: _give_back_gpus)
+  and, if not final yet, is marked Crashed, naming the lost worker.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from prefect.client.schemas.filters import (
     WorkPoolFilterName,
 )
 from prefect.client.schemas.objects import FlowRun, StateType, WorkerStatus
+from prefect.exceptions import PrefectHTTPStatusError
 from prefect.states import Scheduled
 from prefect.workers.base import BaseWorker
 
@@ -35,7 +37,8 @@ from frenzy_prefect.launch.local import host_and_pids, is_running, stop_process_
 from frenzy_prefect.pool import run_labels
 from frenzy_prefect.pool.crash import crash_naming_the_cause
 from frenzy_prefect.pool.kubernetes import KUBERNETES_JOB_LABEL, delete_objects_of_lost_run
-from frenzy_prefect.pool.reservations import LEASE_S
+from frenzy_prefect.pool.leaks import give_back_unclaimed
+from frenzy_prefect.pool.reservations import GONE, LEASE_S
 
 RECLAIM_WINDOW_S = 3 * LEASE_S  # a lease outlives its last renewal by at most LEASE_S plus the server's sweep
 
@@ -81,7 +84,7 @@ async def _reschedule(worker: BaseWorker, run: FlowRun) -> None:
 
 
 async def _reclaim(worker: BaseWorker, run: FlowRun) -> None:
-    owner, lease = run.labels.get(run_labels.PROCESS), run.labels.get(run_labels.LEASE, run_labels.RELEASED)
+    owner = run.labels.get(run_labels.PROCESS)
     started_on, pids = host_and_pids(run.infrastructure_pid or "")
     if started_on == socket.gethostname():
         await stop_process_groups(pids)
@@ -89,17 +92,41 @@ async def _reclaim(worker: BaseWorker, run: FlowRun) -> None:
     # Labelled before the lease goes: a holder that is not gone after all (another host's worker
     # taken for OFFLINE) then knows its lease was revoked, not forgotten (reservations.GpuHold).
     await worker.client.update_flow_run_labels(run.id, {run_labels.RECLAIMED_BY: worker.name})
-    if lease != run_labels.RELEASED:
-        await worker.client.release_concurrency_slots_with_lease(UUID(lease))  # a no-op once expired
+    gave_back = await _give_back_gpus(worker, run)
     message = (
         f"its frenzy worker {run.labels.get(run_labels.WORKER)!r} ({owner}) is gone;"
-        f" {worker.name!r} stopped its processes{f', deleted {deleted}' if deleted else ''} and released its GPUs"
+        f" {worker.name!r} stopped its processes{f', deleted {deleted}' if deleted else ''} and {gave_back}"
     )
     worker.get_flow_run_logger(run).warning(f"Reclaimed: {message}")
     if deleted:  # (its pods' rank 0, stopped by the deletion, may have reported its SIGTERM first)
         await crash_naming_the_cause(worker.client, run.id, f"Crashed: {message}", replaces_failure=True)
     elif not (run.state is not None and run.state.is_final()):
         await worker._propose_crashed_state(run, f"Crashed: {message}")
+
+
+async def _give_back_gpus(worker: BaseWorker, run: FlowRun) -> str:
+    """The lost run's GPUs let go of now, in words. By its lease where the server still knows it
+    (renewed first: an unknown lease's release is a silent no-op); else, the server having
+    forgotten it (a restart of a server that keeps leases in memory, likely with the worker: a
+    host's reboot), by name, what the run still claims and no other run does (leaks)."""
+    client, lease, claimed = worker.client, run.labels.get(run_labels.LEASE, run_labels.RELEASED), run.labels.get(run_labels.GPUS)
+    if lease == run_labels.RELEASED:  # none taken, or lost mid-take or mid-release: a lease nobody renews expires
+        await client.update_flow_run_labels(run.id, {run_labels.GPUS: ""})
+        return f"left its GPUs' lease to expire (within {LEASE_S:.0f} s)" if claimed else "found no GPU held"
+    try:
+        await client.renew_concurrency_lease(UUID(lease), lease_duration=LEASE_S)
+        await client.release_concurrency_slots_with_lease(UUID(lease))
+        await client.update_flow_run_labels(run.id, {run_labels.GPUS: "", run_labels.LEASE: run_labels.RELEASED})
+        return "released its GPUs"
+    except PrefectHTTPStatusError as exc:
+        if exc.response.status_code not in GONE:
+            raise
+    freed = await give_back_unclaimed(client, run.id)
+    await client.update_flow_run_labels(run.id, {run_labels.LEASE: run_labels.RELEASED})
+    forgotten = f"the Prefect server no longer knew its lease {lease}"
+    if freed is None:
+        return f"left its GPUs to the pool's leak sweep ({forgotten}, and another worker kept the give-back lock)"
+    return f"gave back GPUs {', '.join(freed)} by name ({forgotten})" if freed else f"found its GPUs free already ({forgotten})"
 
 
 async def _delete_cluster_objects(worker: BaseWorker, run: FlowRun) -> str:

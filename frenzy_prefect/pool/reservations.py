@@ -48,7 +48,7 @@ RENEW_EVERY_ENV = "FRENZY_GPU_LEASE_RENEW_S"
 PREFIX = "frenzy-gpu"
 _PAGE = 200
 T = TypeVar("T")
-_GONE = {404, 410}  # the server no longer knows the lease: expired, revoked or forgotten
+GONE = {404, 410}  # the server no longer knows the lease: expired, revoked or forgotten
 # A lease last renewed less than LEASE_S minus this ago cannot have expired (the margin covers the
 # renewal's round trip): if the server does not know it, it forgot it or it was revoked.
 UNEXPIRED_MARGIN_S = 10.0
@@ -249,7 +249,7 @@ class GpuHold:
                 if (waited := time.monotonic() - asked) > self._renew_every_s:
                     logger.warning("GPU lease %s renewed after %.0f s without the Prefect server", self.lease, waited)
             except PrefectHTTPStatusError as exc:
-                if exc.response.status_code not in _GONE:
+                if exc.response.status_code not in GONE:
                     raise
                 if await self._forgotten():
                     say(
@@ -294,7 +294,7 @@ class GpuHold:
             try:
                 await patiently(lambda: self.reservations.renew(self.lease), "releasing GPUs", patience_s=60.0)
             except PrefectHTTPStatusError as exc:
-                if exc.response.status_code not in _GONE:
+                if exc.response.status_code not in GONE:
                     raise
                 if not await self._forgotten():
                     return  # expired or revoked: these slots are not this run's to free any more

@@ -21,6 +21,10 @@ from frenzy_prefect.spec.cluster import ClusterSpec
 from frenzy_prefect.spec.plan import JOB_ENV, TrainingJob
 
 FreeNarrowing = Callable[[ClusterSpec, dict[str, list[int]]], Awaitable[dict[str, list[int]]]]
+# How long the worker lets a signalled watcher end before SIGKILL: the watcher scancels the job and
+# waits for its ranks' end itself, at most Slurm's KillWait plus launch.slurm.CANCEL_SLACK_S; this
+# only bounds a watcher that hangs (killed, it would let the GPUs go while the ranks still run).
+WATCHER_STOP_GRACE_S = 180.0
 
 
 def slurm_settings(configuration: Any) -> SlurmSettings:

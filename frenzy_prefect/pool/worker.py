@@ -33,15 +33,17 @@ from typing import Any, Literal
 import anyio
 import anyio.abc
 from prefect.blocks.system import Secret
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
 from prefect.client.schemas.objects import FlowRun, State, StateType
 from prefect.exceptions import InfrastructureNotAvailable
+from prefect.states import Cancelled, Cancelling
 from prefect.workers.base import BaseJobConfiguration, BaseWorker, BaseWorkerResult
 from pydantic import Field
 
 from frenzy_prefect.blocks import CLUSTER_ENV
 from frenzy_prefect.errors import FrenzyError
 from frenzy_prefect.launch.command import Launch
-from frenzy_prefect.launch.local import ProcessGroup, host_and_pids, start_local, stop_process_groups
+from frenzy_prefect.launch.local import STOP_GRACE_S, ProcessGroup, host_and_pids, start_local, stop_process_groups
 from frenzy_prefect.launch.ssh import SSH_UNREACHABLE, SshSettings, start_ssh
 from frenzy_prefect.launch.torchrun import rank_launches
 from frenzy_prefect.launch.watcher import start_watcher
@@ -59,14 +61,22 @@ from frenzy_prefect.pool.leaks import LeakedGpus
 from frenzy_prefect.pool.reclaim import reclaim_lost_runs
 from frenzy_prefect.pool.reservations import LEASE_S, GpuHold, GpuReservations, renew_every_s, volatile_lease_storage_warning
 from frenzy_prefect.pool.server_calls import is_transient, patiently
-from frenzy_prefect.pool.slurm import refuse_what_slurm_cannot_hold, slurm_free_narrowing, slurm_launches, slurm_log_forwarder
+from frenzy_prefect.pool.slurm import (
+    WATCHER_STOP_GRACE_S,
+    refuse_what_slurm_cannot_hold,
+    slurm_free_narrowing,
+    slurm_launches,
+    slurm_log_forwarder,
+)
 from frenzy_prefect.spec.plan import TrainingJob
 from frenzy_prefect.storage.credentials import credentials_env, with_credentials
+from frenzy_prefect.training.fence import ATTEMPT_ENV, first_attempt
 
 CANCEL_POLL_S = 1.0  # how often a running run's state is checked for cancellation
 EXIT_FLUSH_S = 3.0  # how long a stopped worker's process may spend flushing its last events and logs
 SLURM_LATE_REPORT_S = 10.0  # a Slurm job may end before its ranks on a failed node report their SIGTERM
 ENDED_GRACE_S = 60.0  # how long a run's processes may outlive its final state (rank 0 exits first)
+CHILDREN_CANCEL_WAIT_S = 30.0  # for a cancelled pipeline run to end itself once its training runs are (their ranks stop in ~7 s)
 
 
 class FrenzyJobConfiguration(BaseJobConfiguration):
@@ -187,29 +197,39 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, Any, FrenzyWorkerResult]):
         self._queue: GpuQueue | None = None
         self._leaks: LeakedGpus | None = None
         self._runs_in_flight = 0
+        self._torn_down = False  # then Prefect says the worker stopped (`prefect worker start`)
         self._unbind_stop: Callable[[], None] = lambda: None
 
     async def setup(self) -> None:
         renew_every_s()  # a bad setting stops the worker now, not a run's renewals later
-        self._unbind_stop = _bound_a_stop_while_idle(lambda: self._runs_in_flight == 0)
+        self._unbind_stop = _bound_the_stop(lambda: self._runs_in_flight, self._stopped_line)
         await super().setup()
         if warning := await volatile_lease_storage_warning(self.client):
             self._logger.warning(warning)
 
     async def teardown(self, *exc_info: Any) -> None:
         """Once stopped (its runs' processes stopped and their GPUs released), the process exits
-        within EXIT_FLUSH_S of its main thread's end. What is left then is Prefect's events worker
-        sending the worker's last events, which it waits for with no bound of its own (its
-        interpreter-shutdown hook): against a server that does not answer, 10-13 s measured, an
-        idle worker taking that long to go on SIGTERM."""
+        within EXIT_FLUSH_S: of the SIGTERM, or, the runs in flight, of their release
+        (_bound_the_stop), and within EXIT_FLUSH_S of its main thread's end however it was
+        stopped. What is left then is Prefect's events worker sending the worker's last events,
+        which it waits for with no bound of its own (its interpreter-shutdown hook): against a
+        server that does not answer, 10-13 s measured, an idle worker taking that long to go."""
         try:
             await super().teardown(*exc_info)
         finally:
+            self._torn_down = True
             self._unbind_stop()
             if exc_info[0] is None or not issubclass(exc_info[0], Exception):  # stopped, not crashed: exit code 0
                 # The hook Prefect's services register their flush with: run at interpreter
                 # shutdown, the latest registered first, so the timer starts before their flush.
                 threading._register_atexit(_exit_within, EXIT_FLUSH_S)
+
+    def _stopped_line(self) -> str | None:
+        """What the exit bound says as the process ends: Prefect's line, which `prefect worker
+        start` prints once the teardown is over (None then: it has)."""
+        if self._torn_down:
+            return None
+        return f"Worker {self.name!r} stopped! (its shutdown cut short after {EXIT_FLUSH_S:g} s: events not sent by then are dropped)"
 
     def launches_for(
         self, configuration: FrenzyJobConfiguration, job: TrainingJob | None, credentials: dict[str, str] | None = None
@@ -245,6 +265,22 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, Any, FrenzyWorkerResult]):
         if cancelled:
             return await self._cancelled(flow_run, cancelled, identifier=result.identifier)
         return result
+
+    async def _cancel_training_runs(self, flow_run: FlowRun, say: Callable[[str], None]) -> bool:
+        """A pipeline run (train-llm) being cancelled: its training runs still going are
+        cancelled now (Prefect's server would at its next cancellation sweep, up to 20 s later,
+        their ranks training meanwhile); whether there were any."""
+        children = FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run.id]))
+        read = await patiently(lambda: self.client.read_flow_runs(flow_run_filter=children), "reading the run's training runs")
+        live = [c for c in read if not _is_final(c)]
+        why = f"its pipeline run {flow_run.name!r} was cancelled"
+        for child in live:  # (one that has not started yet, at once)
+            state = Cancelled(message=why) if child.state_type == StateType.SCHEDULED else Cancelling(message=why)
+            await patiently(lambda c=child, s=state: self.client.set_flow_run_state(c.id, s), "cancelling a training run")
+        if live:
+            names = ", ".join(repr(c.name) for c in live)
+            say(f"Cancelling: cancelling its training run {names} first; the run ends once it sees that run cancelled")
+        return bool(live)
 
     async def _train(
         self, flow_run: FlowRun, configuration: FrenzyJobConfiguration, job: TrainingJob, task_status
@@ -331,6 +367,8 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, Any, FrenzyWorkerResult]):
         hold: GpuHold | None = None,
     ) -> tuple[FrenzyWorkerResult, str | None]:
         """Start the run's processes and wait for them; (result, why it was cancelled, if it was)."""
+        if job is not None:  # this attempt's place among the run's (training.fence): every launcher passes it on
+            configuration.env[ATTEMPT_ENV] = first_attempt()
         if job is not None and configuration.launcher == "kubernetes":
             launches = await _kubernetes_launches(configuration, job)
         else:
@@ -370,6 +408,9 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, Any, FrenzyWorkerResult]):
         (its GPUs are released only once its processes are gone); a server outage only pauses
         the watching."""
         logger = self.get_flow_run_logger(flow_run)
+        what = "every rank" if hold is not None else "its process"  # (a training run holds GPUs; a pipeline run, none)
+        # (the Slurm watcher, signalled, waits for the ranks' end itself: its GPUs go only once they are gone)
+        grace_s = WATCHER_STOP_GRACE_S if configuration.launcher == "slurm" else STOP_GRACE_S
         nodes = ", ".join(f"{l.node or l.host} x{l.processes}" for l in launches)
         logger.info(f"Started {sum(l.processes for l in launches)} process(es) on {nodes}; PIDs {group.identifier}")
         if task_status is not None:
@@ -382,7 +423,10 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, Any, FrenzyWorkerResult]):
                 state = await self._state_of(flow_run)
                 if state is not None and state.type in (StateType.CANCELLING, StateType.CANCELLED):
                     cancelled.set()
-                    logger.info("Cancelling: stopping every rank")
+                    if hold is None and await self._cancel_training_runs(flow_run, logger.info):
+                        # it ends itself then, Cancelled (group.wait returning ends this wait)
+                        await anyio.sleep(CHILDREN_CANCEL_WAIT_S)
+                    logger.info(f"Cancelling: stopping {what}")
                     break
                 ended = (ended or time.monotonic()) if state is not None and state.is_final() else None
                 if ended is not None and time.monotonic() - ended > ENDED_GRACE_S:
@@ -390,12 +434,12 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, Any, FrenzyWorkerResult]):
                     logger.warning(f"The run ended ({state.type.value}) {ENDED_GRACE_S:.0f} s ago; its processes still ran: stopping them")
                     break
                 await anyio.sleep(CANCEL_POLL_S)
-            await stop_process_groups(group.pids)
+            await stop_process_groups(group.pids, grace_s)
 
         async def stop_when_lost() -> None:
             await hold.lost.wait()
             logger.error(f"Stopping every rank: {hold.lost_reason}")
-            await stop_process_groups(group.pids)
+            await stop_process_groups(group.pids, grace_s)
 
         try:
             async with anyio.create_task_group() as watch:
@@ -406,7 +450,7 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, Any, FrenzyWorkerResult]):
                 watch.cancel_scope.cancel()
         except BaseException:  # the worker is stopping: ProcessGroup.wait signalled the ranks; they are gone before the GPUs go
             with anyio.CancelScope(shield=True):
-                await stop_process_groups(group.pids)
+                await stop_process_groups(group.pids, grace_s)
             raise
         stopped_here = cancelled.is_set() or over.is_set() or (hold is not None and hold.lost.is_set())
         if code != 0 and group.failure and not stopped_here:  # name the rank, its node and the signal
@@ -420,7 +464,7 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, Any, FrenzyWorkerResult]):
                 f"ssh to {group.failed_host} failed (exit {code}): the host is unreachable, refused the key, or its host key "
                 f"is not in {configuration.ssh_known_hosts}; every rank was stopped"
             )
-        why_cancelled = "Cancelled: every rank stopped" if cancelled.is_set() else None
+        why_cancelled = f"Cancelled: {what} stopped" if cancelled.is_set() else None
         return FrenzyWorkerResult(status_code=code, identifier=group.identifier), why_cancelled
 
     async def _state_of(self, flow_run: FlowRun) -> State | None:
@@ -449,21 +493,25 @@ class FrenzyWorker(BaseWorker[FrenzyJobConfiguration, Any, FrenzyWorkerResult]):
                 self._logger.exception("Reclaiming lost runs or leaked GPUs failed; trying again at the next heartbeat")
 
 
-def _bound_a_stop_while_idle(idle: Callable[[], bool]) -> Callable[[], None]:
-    """On SIGTERM (what `prefect worker start` turns into its stop) while ``idle()``, the process
-    exits within EXIT_FLUSH_S whatever its shutdown waits for: with nothing started and no GPU
-    held, nothing is lost. Its teardown (closing the worker channel, the cancellation observer's
-    event stream, the client) and Prefect's events flush can each wait on a server that does not
-    answer; seen here once past 60 s on a loaded host. A worker with runs bounds its exit after
-    their ranks are stopped and GPUs released (teardown). Returns what puts the previous handler
+def _bound_the_stop(in_flight: Callable[[], int], stopped_line: Callable[[], str | None]) -> Callable[[], None]:
+    """On SIGTERM (what `prefect worker start` turns into its stop) the process exits within
+    EXIT_FLUSH_S, counted from the signal or, with runs in flight, from when the last of them has
+    stopped its ranks and released its GPUs, whatever else its shutdown waits for: its teardown
+    (closing the worker channel, the cancellation observer's event stream, the client) and
+    Prefect's events flush can each wait on a server that does not answer or is down (seen past
+    60 s on a loaded host); with its runs stopped and no GPU held, nothing is lost by not waiting.
+    Before it exits so it says ``stopped_line()`` on stdout, unless that is None (Prefect said
+    its own), so that a stop always ends with a line. Returns what puts the previous handler
     back, unless another has replaced this one since (Prefect's, after a first SIGTERM)."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None  # a worker run inside another program (its signals are that program's)
     previous = signal.getsignal(signal.SIGTERM)
+    started = threading.Event()
 
     def on_sigterm(signum: int, frame: Any) -> None:
-        if idle():
-            _exit_within(EXIT_FLUSH_S)
+        if not started.is_set():
+            started.set()
+            threading.Thread(target=_exit_once_stopped, args=(in_flight, stopped_line), name="frenzy-exit-bound", daemon=True).start()
         if callable(previous):
             previous(signum, frame)
         elif previous == signal.SIG_DFL:  # then what it would have done: end the process
@@ -479,12 +527,28 @@ def _bound_a_stop_while_idle(idle: Callable[[], bool]) -> Callable[[], None]:
     return unbind
 
 
+def _exit_once_stopped(in_flight: Callable[[], int], stopped_line: Callable[[], str | None]) -> None:
+    """End the process (exit code 0) EXIT_FLUSH_S after no run is in flight any more."""
+    deadline = time.monotonic() + EXIT_FLUSH_S
+    while time.monotonic() < deadline or in_flight():
+        if in_flight():
+            deadline = time.monotonic() + EXIT_FLUSH_S
+        time.sleep(0.05)
+    if line := stopped_line():
+        os.write(1, f"{line}\n".encode())
+    os._exit(0)
+
+
 def _exit_within(seconds: float) -> None:
     """End the process (exit code 0) in ``seconds`` unless it has ended by then (the other
     shutdown hooks run meanwhile)."""
     timer = threading.Timer(seconds, os._exit, args=(0,))
     timer.daemon = True
     timer.start()
+
+
+def _is_final(run: FlowRun) -> bool:
+    return run.state is not None and run.state.is_final()
 
 
 def _check_pool_policy(job: TrainingJob, configuration: FrenzyJobConfiguration) -> None:

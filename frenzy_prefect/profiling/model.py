@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from frenzy_prefect.errors import FrenzyError, describe_validation_error
 from frenzy_prefect.spec.model import ModelSpec
+from frenzy_prefect.spec.names import did_you_mean
 from frenzy_prefect.storage import open_uri
 
 CONFIGS = Path(__file__).with_name("configs")  # published config.json files of real models (each names its source)
@@ -78,6 +79,29 @@ _KEYS: dict[str, tuple[str, ...]] = {
 _REQUIRED = ("layers", "hidden", "heads", "vocab_size", "max_seq_len")
 _GELU = {"gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast"}
 _EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+_FRACTIONS = _KEYS["attention_dropout"] + _KEYS["hidden_dropout"]
+# Every whole number frenzy reads from a config (the flag and the dropouts aside).
+_WHOLE = (
+    *(k for f, keys in _KEYS.items() if f not in ("tied_embeddings", "attention_dropout", "hidden_dropout") for k in keys),
+    "head_dim",
+    *_EXPERTS,
+)
+
+
+def _check_numbers(config: dict[str, Any], name: str) -> None:
+    """Each number frenzy reads is a JSON number: a string ("64") or a fraction where a count goes
+    would otherwise fail deep in the arithmetic, or be coerced without a word."""
+    for key in (*_WHOLE, *_FRACTIONS):
+        value = config.get(key)
+        whole = key in _WHOLE
+        if value is None or (type(value) is int if whole else type(value) in (int, float)):
+            continue
+        kind = "a whole number" if whole else "a number"
+        try:
+            example = int(float(value)) if whole else float(value)
+        except (TypeError, ValueError):
+            example = 768 if whole else 0.1
+        raise FrenzyError(f'model config {name}: {key}={value!r} must be {kind}, written as a JSON number ("{key}": {example})')
 
 
 def _family_fields(config: dict[str, Any], model_type: str | None) -> dict[str, Any]:
@@ -122,6 +146,7 @@ def from_hf_config(config: dict[str, Any], name: str = "config") -> ModelSpec:
     """The spec of an HF config.json: GPT-2 (``model_type`` gpt2, or GPT-2-style fields without a
     model_type) or the Llama family (llama, mistral, qwen2). Sliding-window attention and RoPE
     scaling are accepted: they change which scores are computed, not what is stored."""
+    _check_numbers(config, name)
     model_type = config.get("model_type")
     if refused := _refusals(config, model_type):
         raise FrenzyError(
@@ -165,8 +190,13 @@ def _load(model: str | dict[str, Any]) -> ModelSpec:
         return from_hf_config(model, name="inline config")
     if model in PRESETS:
         return PRESETS[model]
+    if found := [name for name in PRESETS if name.lower() == model.lower()]:  # (unique under case)
+        return PRESETS[found[0]]
     if not model.endswith(".json"):
-        raise FrenzyError(f"model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a path to an HF-style config.json")
+        raise FrenzyError(
+            f"model {model!r} is neither a preset{did_you_mean(model, PRESETS)} nor a path to an HF-style config.json; "
+            f"presets: {', '.join(PRESETS)}"
+        )
     try:
         with open_uri(model, "r") as f:
             config = json.load(f)

@@ -15,7 +15,7 @@ from frenzy_prefect.pipeline.timeline import run_timeline, steady_state_period_s
 from frenzy_prefect.recycle.failures import key_from_stages
 from frenzy_prefect.recycle.fault_free import costs_from_fault_free_step
 from frenzy_prefect.recycle.planners import fault_free_plan, planner
-from frenzy_prefect.spec.gpu import GpuType
+from frenzy_prefect.spec.gpu import GpuType, MemoryMargin
 from frenzy_prefect.spec.model import ModelSpec
 from frenzy_prefect.spec.plan import ParallelPlan
 from frenzy_prefect.spec.workload import Workload
@@ -34,6 +34,11 @@ class WorkerMemory:
     def peaks(self, dp: int, pp: int, schedule: Schedule) -> dict[tuple[int, int], int]:
         return schedule_peaks(self.model, ParallelPlan(dp=dp, pp=pp, micro_batch=self.micro_batch), self.work, schedule, self.gpu)
 
+    @property
+    def usable_bytes(self) -> int | None:
+        """What a worker's peak may reach on ``gpu``: its memory less the default margin (None without a GPU)."""
+        return None if self.gpu is None else self.gpu.memory_bytes - MemoryMargin().bytes_for(self.gpu.memory_bytes)
+
     def describe(self) -> dict[str, Any]:
         return {
             "model": self.model.name,
@@ -41,6 +46,8 @@ class WorkerMemory:
             "seq_len": self.work.seq_len,
             "precision": self.work.precision,
             "gpu": self.gpu.name if self.gpu else None,
+            "gpu_memory_bytes": self.gpu.memory_bytes if self.gpu else None,
+            "usable_bytes": self.usable_bytes,
         }
 
 
@@ -81,6 +88,7 @@ def plan_case(
                 "bubble_fraction": sum(timeline.bubble_fraction((p, s)) for p in live) / len(live),
             }
             | ({"peak_bytes_per_worker": [peaks[p, s] for p in live]} if peaks else {})
+            | ({"fits_per_worker": [peaks[p, s] <= memory.usable_bytes for p in live]} if peaks and memory.usable_bytes else {})
         )
     out = {
         "dp": dp,

@@ -11,6 +11,8 @@ one documented entry per type."""
 
 from __future__ import annotations
 
+import re
+
 from frenzy_prefect.spec.gpu import GpuType
 
 
@@ -53,3 +55,17 @@ GPU_CATALOG: dict[str, GpuType] = {
         _gpu("RTX-4090", 24_564, 165, 82.6, 32, 1008, 0.35),
     )
 }
+
+
+def type_key(name: str) -> str:
+    """A GPU type's name as the clusters' managers spell it too: case and punctuation ignored."""
+    return re.sub(r"[^a-z0-9]", "", name.lower())
+
+
+def catalog_type(name: str, known: dict[str, GpuType]) -> str | None:
+    """The known GPU type ``name`` names: itself, else the one type (and only one) whose name
+    matches it ignoring case and punctuation (``h100``, ``a100_80gb``); None otherwise."""
+    if name in known:
+        return name
+    matches = [k for k in known if type_key(k) == type_key(name)]
+    return matches[0] if len(matches) == 1 else None

@@ -9,8 +9,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, model_validator
 
 from frenzy_prefect.errors import FrenzyError
-from frenzy_prefect.spec.catalog import GPU_CATALOG
+from frenzy_prefect.spec.catalog import GPU_CATALOG, catalog_type, type_key
 from frenzy_prefect.spec.gpu import GpuType, MemoryMargin
+from frenzy_prefect.spec.names import did_you_mean
 from frenzy_prefect.units import GIB
 
 MAX_NODE_GPUS = 1024  # beyond any node's (or NVLink domain's) GPU count; the node's free-GPU list is this long
@@ -42,6 +43,26 @@ class ClusterSpec(BaseModel):
         default_factory=dict, description="What a GPU-hour of each type costs in US dollars: plans then show their cost."
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _known_names(cls, data: Any) -> Any:
+        """Node types and price keys spelled as Slurm and Kubernetes discovery read them (``h100``,
+        ``a100_80gb``: case and punctuation ignored) are the known type's name, where exactly one
+        known type matches; any other name is left for ``_check`` to refuse."""
+        if not isinstance(data, dict) or not isinstance(data.get("nodes"), list):
+            return data
+        declared = data.get("gpu_types") if isinstance(data.get("gpu_types"), dict) else {}
+        known = {**GPU_CATALOG, **declared}
+
+        def name(raw: Any) -> Any:
+            return (catalog_type(raw, known) or raw) if isinstance(raw, str) else raw
+
+        nodes = [{**n, "gpu_type": name(n.get("gpu_type"))} if isinstance(n, dict) and "gpu_type" in n else n for n in data["nodes"]]
+        prices = data.get("prices")
+        if isinstance(prices, dict):
+            prices = {name(k): v for k, v in prices.items()}
+        return {**data, "nodes": nodes, **({"prices": prices} if "prices" in data else {})}
+
     @model_validator(mode="after")
     def _check(self) -> ClusterSpec:
         names = [n.name for n in self.nodes]
@@ -51,12 +72,14 @@ class ClusterSpec(BaseModel):
         known = self.known_gpu_types()
         unknown = sorted(set(self.prices) - known.keys())
         if unknown:
-            raise ValueError(f"prices name unknown GPU types {', '.join(unknown)}; known types: {', '.join(sorted(known))}")
+            hint = did_you_mean(unknown[0], known, key=type_key) if len(unknown) == 1 else ""
+            raise ValueError(f"prices name unknown GPU types {', '.join(unknown)}{hint}; known types: {', '.join(sorted(known))}")
         for node in self.nodes:
             if node.gpu_type not in known:
                 raise ValueError(
-                    f"node {node.name!r} has unknown gpu_type {node.gpu_type!r}; known types: "
-                    f"{', '.join(sorted(known))} (declare it under gpu_types, in the cluster or in a GPU types file given with it)"
+                    f"node {node.name!r} has unknown gpu_type {node.gpu_type!r}{did_you_mean(node.gpu_type, known, key=type_key)}; "
+                    f"known types: {', '.join(sorted(known))} "
+                    "(declare it under gpu_types, in the cluster or in a GPU types file given with it)"
                 )
         return self
 

@@ -295,6 +295,13 @@ class TrainingJob(BaseModel):
         description="The run the checkpoints belong to (the train-llm flow run's id, which a retry keeps): it resumes from "
         "its own checkpoints only.",
     )
+    purpose: Literal["train", "check"] = Field(
+        default="train", description="check: `frenzy cluster check`'s smoke check of a node, its ranks training nothing."
+    )
+    pinned: bool = Field(
+        default=False,
+        description="The pool's queue places it on its placements' nodes only (a node's check), not on any of its GPU type.",
+    )
 
     def _under_output(self, name: str) -> str:
         return f"{self.output.rstrip('/')}/{name}"

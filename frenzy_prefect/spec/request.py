@@ -56,9 +56,9 @@ Objective = Literal["time", "cost"]
 
 class TrainingRequest(BaseModel):
     """The serverless interface: no GPU type or count is named here, nor parallelism unless the
-    user pins part of it (``plan``)."""
+    user pins part of it (``plan``). Its numbers are finite (no inf or NaN: no value means none)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: ModelField = Field(
         description=("A preset name (see `frenzy presets`), a path or URI of an HF-style config.json, or the config itself as a mapping."),
@@ -147,6 +147,11 @@ class TrainingRequest(BaseModel):
     @model_validator(mode="after")
     def _master_weights_need_half_precision(self) -> TrainingRequest:
         check_master_weights(self.precision, self.master_weights)
+        if self.optimizer.warmup_steps > self.steps:
+            raise ValueError(
+                f"optimizer.warmup_steps ({self.optimizer.warmup_steps}) exceeds steps ({self.steps}): "
+                f"the learning rate would never reach lr; accepted: 0 to {self.steps}"
+            )
         return self
 
     @property

@@ -33,15 +33,20 @@ MasterWeights = Annotated[
 ]
 
 
-class OptimizerSettings(BaseModel):
-    """Frozen (and so hashable, like the Workload that holds it)."""
+# An Adam beta: the decay of a moving average, which torch's Adam and AdamW take in [0, 1).
+Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+
+class OptimizerSettings(BaseModel):
+    """Frozen (and so hashable, like the Workload that holds it). Its numbers are finite: an
+    infinite or NaN learning rate, decay or clip trains nothing."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     name: Literal["adamw", "adam", "sgd"] = "adamw"
     lr: PositiveFloat = 1e-3
     weight_decay: NonNegativeFloat = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[Beta, Beta] = (0.9, 0.95)
     momentum: NonNegativeFloat = Field(default=0.9, description="SGD only; 0 keeps no momentum buffer.")
     grad_clip: NonNegativeFloat = Field(default=1.0, description="Global gradient-norm clip; 0 disables.")
     warmup_steps: NonNegativeInt = 0

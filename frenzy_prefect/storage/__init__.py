@@ -28,8 +28,11 @@ turn.
 from __future__ import annotations
 
 import errno
+import fcntl
+import hashlib
 import os
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -40,9 +43,13 @@ from typing import IO, Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import fsspec
+import fsspec.asyn
 from fsspec import AbstractFileSystem
+from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.memory import MemoryFileSystem
 
 from frenzy_prefect.errors import FrenzyError, StorageUnreachable, exception_chain
+from frenzy_prefect.units import duration
 
 T = TypeVar("T")
 
@@ -260,14 +267,18 @@ class Deadline:
         worker.start()
         worker.join(max(0.0, self.bound_s - (time.monotonic() - self.started)))
         if not outcome:
-            raise StorageUnreachable(
-                f"{_where(self.uri)} did not finish {self.doing} within {time.monotonic() - self.started:.0f} s, "
-                f"its bound ({CHECKPOINT_WRITE_TIMEOUT_ENV}={self.bound_s:g})"
-            )
+            took = time.monotonic() - self.started
+            raise StorageUnreachable(f"{_where(self.uri)} did not finish {self.doing} within {took:.0f} s, its bound ({self._bound()})")
         done, value = outcome[0]
         if not done:
             raise value
         return value
+
+    def _bound(self) -> str:
+        """Where the bound came from: the setting as given, or the default's own figure."""
+        if raw := os.environ.get(CHECKPOINT_WRITE_TIMEOUT_ENV, "").strip():
+            return f"{CHECKPOINT_WRITE_TIMEOUT_ENV}={raw}"
+        return f"{duration(self.bound_s)} by default; {CHECKPOINT_WRITE_TIMEOUT_ENV} sets another"
 
 
 @contextmanager
@@ -290,3 +301,104 @@ def exists(uri: str) -> bool:
     fs, path = filesystem(uri)
     with reaching(uri):
         return fs.exists(path)
+
+
+# Conditional writes: one small object changed only by whoever read its current version (a
+# compare-and-swap), so that of two writers that read the same version one fails. S3 decides
+# with a conditional PUT (If-Match / If-None-Match: *); a local path with a lock file held
+# around the compare and an atomic rename; memory:// (tests) with a lock in this process.
+
+_MEMORY_LOCK = threading.Lock()
+
+
+class WriteConflict(FrenzyError):
+    """A conditional write refused: the object is no longer the version it was read as (or it
+    exists where it was to be created, or is gone)."""
+
+
+def _etag(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def read_versioned(uri: str) -> tuple[bytes, str] | None:
+    """The object at ``uri`` and its version tag (S3's ETag), read as one; None if there is none."""
+    fs, path = filesystem(uri)
+    with reaching(uri):
+        if _is_s3(uri):
+            return fsspec.asyn.sync(fs.loop, _s3_get, fs, path)
+        try:
+            data = fs.cat_file(path)
+        except FileNotFoundError:
+            return None
+        return data, _etag(data)
+
+
+async def _s3_get(fs: AbstractFileSystem, path: str) -> tuple[bytes, str] | None:
+    bucket, key, _ = fs.split_path(path)
+    try:
+        response = await fs._call_s3("get_object", Bucket=bucket, Key=key)
+    except FileNotFoundError:
+        return None
+    try:
+        return await response["Body"].read(), response["ETag"]
+    finally:
+        response["Body"].close()
+
+
+def write_if(uri: str, data: bytes, etag: str | None) -> str:
+    """Write ``data`` to ``uri`` if the object there is still version ``etag`` (None: if there is
+    none); returns the new version's tag. WriteConflict if not, with nothing written."""
+    fs, path = filesystem(uri)
+    with reaching(uri):
+        if _is_s3(uri):
+            return _s3_put_if(fs, uri, path, data, etag)
+        if isinstance(fs, LocalFileSystem):
+            return _local_put_if(path, data, etag)
+        if isinstance(fs, MemoryFileSystem):
+            with _MEMORY_LOCK:
+                now = fs.cat_file(path) if fs.exists(path) else None
+                if (None if now is None else _etag(now)) != etag:
+                    raise WriteConflict(f"{uri} changed since it was read")
+                fs.pipe_file(path, data)
+                return _etag(data)
+    raise FrenzyError(f"{uri}: a run's checkpoints need storage with conditional writes: s3://, or a local path")
+
+
+def _s3_put_if(fs: AbstractFileSystem, uri: str, path: str, data: bytes, etag: str | None) -> str:
+    bucket, key, _ = fs.split_path(path)
+    condition = {"IfNoneMatch": "*"} if etag is None else {"IfMatch": etag}
+    try:
+        response = fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **condition)
+    except OSError as exc:  # s3fs's translation of the ClientError, which it keeps as the cause
+        if isinstance(exc, (FileExistsError, FileNotFoundError)) or _refused_condition(exc):
+            raise WriteConflict(f"{uri} changed since it was read ({type(exc).__name__}: {exc})") from None
+        raise
+    fs.invalidate_cache(path)
+    return response["ETag"]
+
+
+def _refused_condition(exc: BaseException) -> bool:
+    """``exc`` comes from S3 refusing a conditional request: 412, or 409 for a concurrent one."""
+    codes = {"PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey", "412", "409"}
+    return any(getattr(e, "response", {}).get("Error", {}).get("Code") in codes for e in exception_chain(exc))
+
+
+def _local_put_if(path: str, data: bytes, etag: str | None) -> str:
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    with open(f"{path}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        try:
+            with open(path, "rb") as f:
+                now: str | None = _etag(f.read())
+        except FileNotFoundError:
+            now = None
+        if now != etag:
+            raise WriteConflict(f"{path} changed since it was read")
+        fd, temporary = tempfile.mkstemp(dir=folder, prefix=".head-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    return _etag(data)

@@ -2,17 +2,24 @@
 
 Layout under a run's checkpoint prefix (``TrainingJob.checkpoint_prefix``)::
 
-    step-000120/   DCP's files: one ``__<rank>_0.distcp`` per rank that holds pieces, ``.metadata``
-                   manifest.json  written last: the step, plan, model, time and losses so far
+    head.json          which generation of the run's attempts holds it, and the committed
+                       checkpoints, newest first (manifest.Head; written only by a conditional
+                       write of the version read: fence.py)
+    step-000120/       DCP's files: one ``__<rank>_0.distcp`` per rank that holds pieces, ``.metadata``
+                       manifest.json  written last: the step, plan, model, generation, time and losses so far
+    step-000135-g2/    a checkpoint by generation 2 (the first generation's carry no suffix)
 
-Every rank writes its own pieces (``FsspecWriter`` over s3fs); ``dcp.save`` returns on every rank
-once the coordinator has written ``.metadata``, after all ranks' files; then a barrier, and rank 0
-writes the manifest. A checkpoint is complete when its manifest exists: a directory without one
-(a write torn by a crash) is ignored on resume and removed when the next checkpoint is pruned.
-Resume takes the newest intact one (complete, with DCP's ``.metadata`` and a manifest that
-reads; ``manifest`` finds it, without torch): a complete one that is not is named in the run's log
-and skipped for the one before. The last ``keep`` intact checkpoints stay; older ones are deleted
-once the new manifest exists.
+Every rank writes its own pieces (``FsspecWriter`` over s3fs) into its generation's directory;
+``dcp.save`` returns on every rank once the coordinator has written ``.metadata``, after all
+ranks' files; then a barrier, rank 0 writes the manifest and commits the checkpoint: a
+conditional write of the head that still names its generation (``fence.commit``). A checkpoint
+is resumed from only once committed: one whose commit was refused (a newer generation holds the
+run) or torn by a crash is never read. Resume walks the committed ones, newest first, and takes
+the first intact one (DCP's ``.metadata`` and a manifest that reads; ``manifest``, without
+torch): one that is not is named in the run's log and skipped for the one before. The head
+keeps the last ``keep`` committed; after its commit, rank 0 deletes the directories of its own
+and older generations that the head no longer names (older checkpoints, torn and refused
+writes), never a newer generation's.
 
 What is saved is keyed by the WHOLE model's names and shapes (``Decoder`` naming, global layer
 indices), each rank describing which pieces of each tensor it holds (``Pieces``), so that DCP
@@ -36,7 +43,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from itertools import islice
 
 import torch
 import torch.distributed as dist
@@ -55,7 +61,8 @@ from frenzy_prefect.storage import Deadline, filesystem, filesystem_options, rea
 from frenzy_prefect.torch_private import FsspecReader, FsspecWriter, flatten_state_dict
 from frenzy_prefect.training.decoder import stage_layers, tp_split
 from frenzy_prefect.training.engine import Engine
-from frenzy_prefect.training.manifest import MANIFEST, Manifest, intact_checkpoints, step_of, step_uri
+from frenzy_prefect.training.fence import Fence, Fenced, commit
+from frenzy_prefect.training.manifest import MANIFEST, Head, Manifest, generation_of, is_step_dir, step_uri
 
 BYTES_PER_PARAMETER = 12  # the most a checkpoint keeps of a parameter: its fp32 weight and two optimizer states
 
@@ -253,24 +260,37 @@ def training_state(engine: Engine) -> tuple[dict, list | None]:
     return state, None
 
 
-def save(engine: Engine, prefix: str, step: int, losses: list[float], keep: int) -> tuple[str, float]:
-    """Every rank writes its pieces of step ``step``'s checkpoint, then rank 0 the manifest, then
-    prunes to the last ``keep``: all within one bound (storage.write_bound_s), which every rank's
-    storage work respects, so that against a stalled endpoint every rank fails by then and none
-    waits in a collective for another. Returns (its URI, seconds taken)."""
-    uri, started = step_uri(prefix, step), time.perf_counter()
+def save(engine: Engine, fence: Fence, step: int, losses: list[float], keep: int) -> tuple[str, float]:
+    """Every rank writes its pieces of step ``step``'s checkpoint into its generation's directory,
+    then rank 0 the manifest, commits it (``fence.commit``: Fenced on every rank if a newer
+    generation holds the run) and prunes to the last ``keep``: all within one bound
+    (storage.write_bound_s), which every rank's storage work respects, so that against a stalled
+    endpoint every rank fails by then and none waits in a collective for another. Returns (its
+    URI, seconds taken)."""
+    uri, started = step_uri(fence.prefix, step, fence.generation), time.perf_counter()
     deadline = Deadline(uri, write_bound_s(BYTES_PER_PARAMETER * engine.spec.parameters), "writing the checkpoint")
-    _on_rank0(lambda: deadline.run(lambda: _remove(uri)))  # a torn write of this step by an earlier attempt
+    _on_rank0(lambda: deadline.run(lambda: _remove(uri)))  # a torn write of this step by this generation
     writer = _BoundedWriter(uri, deadline, **filesystem_options(uri))
     with _storage_failures(uri, deadline.started):
         dcp.save(training_state(engine)[0], storage_writer=writer, planner=_SavePlanner())
     _barrier()  # every rank's files are written
     seconds = time.perf_counter() - started
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        now = datetime.now(UTC)
-        done = Manifest(step=step, plan=engine.plan, model=engine.spec, written_at=now, save_s=seconds, losses=losses)
+
+    def committed() -> None:
+        done = Manifest(
+            step=step,
+            plan=engine.plan,
+            model=engine.spec,
+            written_at=datetime.now(UTC),
+            save_s=seconds,
+            losses=losses,
+            generation=fence.generation,
+        )
         deadline.run(lambda: write_bytes(f"{uri}/{MANIFEST}", done.model_dump_json(indent=2).encode()))
-        deadline.run(lambda: prune(prefix, keep))
+        head = deadline.run(lambda: commit(fence, step, keep))
+        deadline.run(lambda: prune(fence, head))
+
+    _on_rank0(committed)
     return uri, seconds
 
 
@@ -306,10 +326,11 @@ def _on_rank0(action: Callable[[], None]) -> None:
         except Exception as exc:
             error = exc
     if dist.is_initialized() and dist.get_world_size() > 1:
-        said = [None if error is None else f"{type(error).__name__}: {error}"]
+        said = [None if error is None else (isinstance(error, Fenced), f"{type(error).__name__}: {error}")]
         dist.broadcast_object_list(said, src=0)
         if said[0] is not None and not rank0:
-            raise RuntimeError(f"rank 0 failed: {said[0]}")
+            fenced, message = said[0]
+            raise Fenced(f"rank {dist.get_rank()} stops: {message}") if fenced else RuntimeError(f"rank 0 failed: {message}")
     if error is not None:
         raise error
 
@@ -340,19 +361,18 @@ def load(engine: Engine, uri: str, manifest: Manifest) -> None:
         engine._refresh_half_weights()  # the half weights from the loaded masters (ZeRO-1: from their owners)
 
 
-def prune(prefix: str, keep: int) -> None:
-    """Delete all but the newest ``keep`` intact checkpoints, and torn or corrupt ones older than
-    those. A corrupt one counts for nothing: it never displaces the only intact checkpoint."""
-    kept = [uri for uri, _ in islice(intact_checkpoints(prefix), keep)]
-    if not kept:
-        return
-    oldest = step_of(kept[-1])
-    fs, path = filesystem(prefix)
-    with reaching(prefix):
+def prune(fence: Fence, head: Head) -> None:
+    """After ``fence``'s commit of ``head``: delete the checkpoint directories of its generation
+    and older ones that ``head`` does not name (older checkpoints, torn or refused writes),
+    never a newer generation's. A newer generation takes over the very list ``head`` names, so
+    a prune that overlaps its claim deletes nothing it reads."""
+    named = {step_uri(fence.prefix, c.step, c.generation).rsplit("/", 1)[-1] for c in head.committed}
+    fs, path = filesystem(fence.prefix)
+    with reaching(fence.prefix):
         names = [e.rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(path, detail=False, refresh=True)]
     for name in names:
-        if name.startswith("step-") and step_of(name) < oldest:
-            _remove(f"{prefix.rstrip('/')}/{name}")
+        if is_step_dir(name) and name not in named and generation_of(name) <= fence.generation:
+            _remove(f"{fence.prefix.rstrip('/')}/{name}")
 
 
 @contextmanager

@@ -222,8 +222,13 @@ def test_cancelling_a_run_scancels_its_job_within_10_s_and_the_run_ends_cancelle
 
     run_id = two_runs_beside_a_foreign_job[0][0]
     job = slurm_job_of(stack, run_id)
+    gpus, rank0 = flow_run(stack, run_id).labels["frenzy.gpus"].split(), rank_process(0, job_of_run(stack, run_id).output)
     asked = time.monotonic()
     cancel(stack, run_id)
+    while held(stack, gpus):  # the pool's reservation: given back only once rank 0 (reporting the cancel) has exited
+        assert time.monotonic() - asked < 90, "the run's GPUs still held 90 s after the cancellation"
+        time.sleep(0.05)
+    assert not alive(rank0), "the run's GPUs were given back while its rank 0 still ran"
     while slurm.cli("squeue", "-h", "-j", job, "-t", "RUNNING", "-o", "%i").strip():
         assert time.monotonic() - asked < 10, "the Slurm job still runs 10 s after the cancellation"
         time.sleep(0.2)
@@ -232,6 +237,43 @@ def test_cancelling_a_run_scancels_its_job_within_10_s_and_the_run_ends_cancelle
         time.sleep(0.5)
     state = parse_records(slurm.cli("scontrol", "-o", "show", "job", job))[0]["JobState"]
     assert state in ("CANCELLED", "COMPLETING"), state
+    assert f"Slurm job {job} cancelled (scancel): every rank stopped" in wait_for_log(stack, run_id, f"Slurm job {job} cancelled ")
+
+
+def rank_process(rank: int, output: str, timeout_s: float = 60) -> psutil.Process:
+    """The process of global rank ``rank`` of the (plain, not recycle) job writing to ``output``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for proc in psutil.process_iter():
+            with suppress(psutil.Error):
+                env = proc.environ()
+                if env.get("RANK") == str(rank) and f'"{output}"' in env.get(JOB_ENV, "") and "training.entry" in " ".join(proc.cmdline()):
+                    return proc
+        time.sleep(0.5)
+    raise AssertionError(f"no rank {rank} writing to {output} after {timeout_s:.0f} s")
+
+
+def alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def held(stack, gpus: list[str]) -> bool:
+    """Whether any of the pool's GPU limits ``gpus`` is taken."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+
+    from frenzy_prefect.pool.reservations import gpu_limits
+
+    async def read() -> bool:
+        async with get_client() as client:
+            return any(limit.active_slots for limit in await gpu_limits(client) if limit.name in gpus)
+
+    with stack.client_settings():
+        return asyncio.run(read())
 
 
 @pytest.mark.faults
@@ -247,6 +289,9 @@ def test_a_node_that_fails_crashes_the_run_naming_the_node(slurm, stack, slurm_p
         while not ((state := flow_run(stack, run_id).state).is_crashed() and state.message == expected):
             assert time.monotonic() - downed < 90, (state, run_logs(stack, run_id)[-10:])
             time.sleep(1)
+        # the nodes' tracebacks (torchrun's, a rank's gloo error) each one line in the run's log, gloo's sign-off cut
+        logs = wait_for_log(stack, run_id, f"Slurm job {slurm_job_of(stack, run_id)} ended NODE_FAIL", timeout_s=60)
+        assert not [m for m in logs if "Traceback (most recent call last)" in m or "GLHF" in m], logs[-40:]
     finally:
         slurm.cli("scontrol", "update", f"nodename={node}", "state=resume", check=False)
         slurm.wait_idle(nodes=(node,))  # the other nodes may still hold this module's other jobs
@@ -259,7 +304,9 @@ def test_with_max_restarts_a_run_whose_node_fails_resumes_from_its_last_checkpoi
     from tests.support.resume import assert_resumed_after, files_of
     from tests.support.runs import wait_final
 
-    steps = 12  # every checkpoint kept: the one resumed from is checked untouched
+    # Every checkpoint kept: the one resumed from is checked untouched. 40 steps: the node's ranks
+    # take up to KillWait + 2 s to die, and trained the 10 steps after the first checkpoint before that.
+    steps = 40
     run_id = start_run(
         stack, dataset, "node-restarts", gpus=2, steps=steps, gpu_type="H100", max_restarts=1, checkpoint_every=2, keep_checkpoints=steps
     )
@@ -289,6 +336,87 @@ def test_with_max_restarts_a_run_whose_node_fails_resumes_from_its_last_checkpoi
     assert next(m for m in logs if m.startswith(f"Submitted Slurm job {second} ")).endswith(f"on {other} x2")
     assert 2 <= step < steps
     assert_resumed_after(job, step, kept)
+
+
+def trainers_of_job(job_id: str) -> list[psutil.Process]:
+    """The rank processes of Slurm job ``job_id`` still alive on this host."""
+    found = []
+    for proc in psutil.process_iter():
+        with suppress(psutil.Error):
+            if "frenzy_prefect.training.entry" in " ".join(proc.cmdline()) and proc.environ().get("SLURM_JOB_ID") == job_id:
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    found.append(proc)
+    return found
+
+
+@pytest.mark.faults
+@pytest.mark.slurm
+def test_a_run_whose_slurmd_is_killed_trains_one_generation_at_a_time(slurm, stack, slurm_pool, dataset):
+    """slurmd of the run's node killed, its ranks alive (a slurmd crash, or the node cut off from
+    the controller), max_restarts 1: Slurm declares the node failed and the watcher submits the
+    run again elsewhere, as its generation 2. The old job's ranks, which Slurm cannot stop, find
+    themselves fenced and stop; no step, checkpoint or event of theirs comes after the takeover."""
+    from datetime import datetime
+
+    from prefect.client.orchestration import get_client
+
+    from frenzy_prefect.training.manifest import complete_checkpoints, generation_of, read_head, step_of
+    from tests.support.runs import run_events, wait_for
+    from tests.support.stack import all_logs
+
+    run_id = start_run(
+        stack, dataset, "slurmd-killed", gpus=2, steps=100_000, gpu_type="H100", max_restarts=1, checkpoint_every=5, keep_checkpoints=3
+    )
+    job, first = job_of_run(stack, run_id), slurm_job_of(stack, run_id)
+    node = placed(stack, run_id).split()[0]
+    wait_for("a committed checkpoint", lambda: (head := read_head(job.checkpoint_uri)) and head[0].committed, 240)
+    assert trainers_of_job(first), "no rank of the first job found"
+
+    def generation_2_commits() -> int:
+        return sum(c.generation == 2 for c in read_head(job.checkpoint_uri)[0].committed)
+
+    try:
+        slurm.kill_slurmd(node)
+        said = wait_for_log(stack, run_id, f"node {node} failed; restarting from step ", timeout_s=180)
+        restart = next(m for m in said if m.startswith(f"node {node} failed; restarting from step "))
+        step = int(restart.split("restarting from step ")[1].split()[0])
+        assert "(generation 2)" in restart, restart
+        wait_for("the first job's ranks to stop, fenced (its slurmd still dead)", lambda: not trainers_of_job(first), 120)
+        wait_for_log(stack, run_id, f"generation 2 takes the run over from generation 1: resuming from step {step}", timeout_s=240)
+        wait_for("two commits of generation 2", lambda: generation_2_commits() >= 2, 240)
+        with stack.client_settings(), get_client(sync_client=True) as client:
+            states = {s.type.value for s in client.read_flow_run_states(run_id)}
+        assert not {"FAILED", "CRASHED", "COMPLETED"} & states, states
+        cancel(stack, run_id)
+    finally:
+        slurm.start_slurmd(node)
+        slurm.wait_idle(nodes=(node,))
+
+    with stack.client_settings(), get_client(sync_client=True) as client:
+        logs = all_logs(client, run_id)
+    messages = [log.message for log in logs]
+    stops = [m for m in messages if m.startswith("generation 1 stops at step ")]
+    assert len(stops) == 1 and "generation 2 (attempt " in stops[0], stops
+    old = [log for log in logs if log.message.startswith("step ") and "; generation" not in log.message]
+    new = [log for log in logs if log.message.startswith("step ") and log.message.endswith("; generation 2)")]
+    numbers = [int(log.message.split()[1].split("/")[0]) for log in new]
+    assert numbers[0] == step + 1 and numbers == list(range(step + 1, step + 1 + len(numbers))), numbers[:5]  # none twice
+    assert max(log.timestamp for log in old) < min(log.timestamp for log in new), "both generations trained at once"
+
+    head = read_head(job.checkpoint_uri)[0]
+    assert head.generation == 2 and all(c.generation == 2 for c in head.committed if c.step > step), head
+    assert not [u for u in complete_checkpoints(job.checkpoint_uri) if generation_of(u) == 1 and step_of(u) > step]
+
+    def both_started(events: list[dict]) -> bool:
+        return sum(e["event"] == "frenzy.training.started" for e in events) == 2
+
+    events = run_events(stack, run_id, "frenzy.training.", both_started)
+    started = {e["resource"]["frenzy.generation"]: e for e in events if e["event"] == "frenzy.training.started"}
+    assert (started["1"]["payload"]["step"], started["2"]["payload"]["step"]) == (1, step + 1), started
+    checkpointed = [e for e in events if e["event"] == "frenzy.training.checkpointed" and e["resource"]["frenzy.generation"] == "1"]
+    assert checkpointed and all(e["payload"]["step"] <= step for e in checkpointed), checkpointed
+    last_of_1 = max(datetime.fromisoformat(e["occurred"]) for e in checkpointed)
+    assert last_of_1 < datetime.fromisoformat(started["2"]["occurred"])  # each after its own generation's decision
 
 
 @pytest.mark.slurm
@@ -342,7 +470,8 @@ def test_a_run_slurm_holds_back_waits_as_a_pending_job_its_reason_in_its_log_and
     try:
         run_id = start_run(stack, dataset, "held-back", gpus=1, steps=3, gpu_type="H100")
         job = slurm_job_of(stack, run_id)
-        wait_for_log(stack, run_id, f"Slurm job {job} pending: PartitionDown", timeout_s=60)
+        logs = wait_for_log(stack, run_id, f"Slurm job {job} pending: PartitionDown", timeout_s=60)
+        assert f"Slurm job {job} pending: None" not in logs  # (Slurm's Reason=None: not looked at yet)
         deadline = time.monotonic() + 30
         while (labels := flow_run(stack, run_id).labels).get("frenzy.slurm-pending") != "PartitionDown":
             assert time.monotonic() < deadline, labels

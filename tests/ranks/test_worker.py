@@ -75,10 +75,10 @@ def test_the_worker_process_does_not_import_torch():
 
 STOP_PROBE = """
 import signal, sys, time
-from frenzy_prefect.pool.worker import _bound_a_stop_while_idle
+from frenzy_prefect.pool.worker import _bound_the_stop
 if sys.argv[1] == "handler":  # what `prefect worker start` installs: it forwards the stop
     signal.signal(signal.SIGTERM, lambda *_: print("forwarded", flush=True))
-unbind = _bound_a_stop_while_idle(lambda: sys.argv[2] != "busy")
+unbind = _bound_the_stop(lambda: int(sys.argv[2] == "busy"), lambda: "Worker 'probe' stopped!")
 if sys.argv[2] == "unbound":  # the worker's teardown: the previous handler is back
     unbind()
 print("ready", flush=True)
@@ -89,7 +89,7 @@ time.sleep(60)  # a shutdown that waits on a server which never answers
 @pytest.mark.parametrize(
     ("previous", "state", "ends"),
     [
-        ("handler", "idle", 0),  # the bound ends it, the previous handler ran first
+        ("handler", "idle", 0),  # the bound ends it, saying so, the previous handler ran first
         ("default", "idle", -signal.SIGTERM),  # no handler before: SIGTERM's own action
         ("handler", "busy", None),  # runs in flight: their stop comes first, no early exit
         ("handler", "unbound", None),  # after teardown, only the previous handler
@@ -107,8 +107,10 @@ def test_a_sigterm_to_an_idle_worker_bounds_its_exit_and_still_reaches_the_previ
         except subprocess.TimeoutExpired:
             code = None
         assert code == ends
+        said = probe.stdout.read().splitlines() if code is not None else [probe.stdout.readline().strip()]
         if previous == "handler":
-            assert probe.stdout.readline().strip() == "forwarded"
+            assert said[0] == "forwarded"
+        assert ("Worker 'probe' stopped!" in said) == (code == 0), said
     finally:
         probe.kill()
         probe.wait()

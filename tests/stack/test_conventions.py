@@ -47,6 +47,14 @@ def test_frenzy_cluster_use_sets_a_pools_default_cluster_and_creates_the_pool_if
     assert pool.type == "frenzy"
     assert pool.base_job_template["variables"]["properties"]["cluster"]["default"] == "local-recycle"
     assert pool.base_job_template["job_configuration"]["cluster"] == "{{ cluster }}"
+    ssh = ROOT / "examples" / "ssh" / "job-variables.yaml"  # docs/cluster.md's example, as a user applies it
+    assert "job variables set: launcher, ssh_user" in stack.run_cli(
+        *use, "local-recycle", "--pool", "cluster-use", "--job-variables", str(ssh)
+    )
+    with stack.client_settings(), get_client(sync_client=True) as client:
+        variables = client.read_work_pool("cluster-use").base_job_template["variables"]["properties"]
+    assert (variables["launcher"]["default"], variables["ssh_key_secret"]["default"]) == ("ssh", "frenzy-ssh-key")
+    assert variables["cluster"]["default"] == "local-recycle" and variables["env"]["default"]["NCCL_SOCKET_IFNAME"] == "eth0"
 
     stack.run_cli("prefect", "work-pool", "create", "cluster-use-process", "--type", "process")
     for args, message in [

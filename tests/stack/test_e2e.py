@@ -40,7 +40,7 @@ from frenzy_prefect.memory.run_records import CalibrationStore
 from frenzy_prefect.profiling.model import PRESETS
 from frenzy_prefect.spec.result import TrainingReport
 from frenzy_prefect.storage import exists, filesystem, open_uri
-from tests.support.runs import GOOD, children, free_now, training_job, wait_final
+from tests.support.runs import GOOD, children, free_now, training_after_a_checkpoint, training_events, training_job, wait_final, wait_for
 from tests.support.stack import BUCKET, WORKER_LIMIT, set_up_pool, without_real_part
 
 pytestmark = pytest.mark.e2e
@@ -101,23 +101,6 @@ def test_a_request_is_trained_on_the_chosen_gpus_through_the_worker(stack, runs,
     assert progress[0].startswith("step 1/30 loss") and progress[-1].startswith("step 30/30 loss")
 
 
-def run_events(stack, run_id: UUID, prefix: str, done, timeout_s: float = 30) -> list[dict]:
-    """The events named ``prefix``... about a flow run (its resource or a related one), once
-    ``done(events)`` (the server stores events a moment after they are sent)."""
-    about = {"event": {"prefix": [prefix]}, "any_resource": {"id": [f"prefect.flow-run.{run_id}"]}}
-    deadline = time.monotonic() + timeout_s
-    with stack.client_settings(), get_client(sync_client=True) as client:
-        while not done(events := client._client.post("/events/filter", json={"filter": about}).json()["events"]):
-            assert time.monotonic() < deadline, [(e["event"], e["resource"]) for e in events]
-            time.sleep(0.5)
-    return events
-
-
-def training_events(stack, training_run: UUID, until: str, timeout_s: float = 30) -> list[dict]:
-    """The frenzy.training.* events about a training flow run, once ``until`` is among them."""
-    return run_events(stack, training_run, "frenzy.training.", lambda events: any(e["event"] == until for e in events), timeout_s)
-
-
 @pytest.mark.pipelines
 def test_the_training_run_reports_progress_the_live_loss_and_its_events_while_it_trains(stack, runs):
     (training,) = children(stack, runs["good"])
@@ -170,10 +153,17 @@ def test_a_job_no_gpu_can_hold_fails_in_allocate_before_any_process_starts(stack
 
 
 def test_a_missing_dataset_fails_in_profiling_naming_the_uri(stack, runs):
+    """The cause is the run's state message, one line (what `prefect deployment run --watch` and
+    the UI's run list show), and one line in its log, not Prefect's tracebacks of it."""
     run = runs["no-data"]
     assert run.state.is_failed()
-    assert f"dataset s3://{BUCKET}/data/never-uploaded.txt does not exist" in run.state.message
+    assert run.state.message.startswith(f"dataset s3://{BUCKET}/data/never-uploaded.txt does not exist"), run.state.message
+    assert "\n" not in run.state.message
     assert children(stack, run) == []
+    with stack.client_settings(), get_client(sync_client=True) as client:
+        logged = [log.message for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))]
+    assert any("never-uploaded.txt does not exist" in m for m in logged), logged
+    assert not [m for m in logged if "Traceback (most recent call last)" in m], logged
 
 
 def test_an_unknown_cluster_block_says_how_to_create_one(stack, runs):
@@ -188,7 +178,12 @@ def test_frenzy_deploy_creates_the_same_deployments(stack, worker_pool):
     assert "deployed train-llm/frenzy and distributed-train/frenzy" in out
     with stack.client_settings(), get_client(sync_client=True) as client:
         entrypoints = sorted(d.entrypoint for d in client.read_deployments() if d.name == "frenzy")
-    assert entrypoints == ["frenzy_prefect.flows.training.distributed_train", "frenzy_prefect.flows.training.train_llm"]
+    assert entrypoints == [
+        "frenzy_prefect.flows.node_check.node_check",
+        "frenzy_prefect.flows.training.distributed_train",
+        "frenzy_prefect.flows.training.train_llm",
+    ]
+    assert f"to work pool {worker_pool!r} on Prefect server {stack.env['PREFECT_API_URL']}" in out
 
 
 def test_reports_are_json_a_pipeline_can_read(stack, runs, dataset):
@@ -428,7 +423,10 @@ def test_retrying_a_failed_train_llm_run_resumes_from_its_own_last_checkpoint(st
         # (one agent per node: with GPUs busy the run may be placed across both types, issue 31; rank 0 is the first node's)
         _, agents = host_and_pids(client.read_flow_run(training).infrastructure_pid)
         os.kill(rank_pid(agents[0], 0), signal.SIGKILL)
-        assert not wait_final(run_id).state.is_completed()
+        failed, crashed = wait_final(run_id), client.read_flow_run(training)
+        # the training run's one-line cause, on the run the pipeline sees (`--watch`, the UI's run list)
+        assert failed.state.is_failed() and crashed.state.is_crashed(), (failed.state, crashed.state)
+        assert failed.state.message == f"training run {crashed.name} crashed: {crashed.state.message}", failed.state.message
 
         client.set_flow_run_state(run_id, Scheduled(), force=True)  # what the UI's Retry does
         run = wait_final(run_id)
@@ -437,18 +435,6 @@ def test_retrying_a_failed_train_llm_run_resumes_from_its_own_last_checkpoint(st
     assert run.state.is_completed(), run.state
     resumed = [m for m in messages if m.startswith("resumed from ")]
     assert resumed and f"/checkpoints/{run_id}/step-" in resumed[0], messages[:10]
-
-
-def training_after_a_checkpoint(stack: LocalStack, client, run_id: UUID) -> UUID:
-    """The training flow run of train-llm run ``run_id``, once it has written a checkpoint."""
-    deadline = time.monotonic() + 300
-    while not (trainings := children(stack, client.read_flow_run(run_id))) or not any(
-        log.message.startswith("checkpoint of step")
-        for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[trainings[0].id])))
-    ):
-        assert time.monotonic() < deadline, "the training run wrote no checkpoint"
-        time.sleep(0.5)
-    return trainings[0].id
 
 
 @dataclass
@@ -582,9 +568,54 @@ def test_cancelling_a_running_training_run_stops_its_ranks_and_frees_its_gpus(st
                 time.sleep(0.5)
             history = [s.type for s in client.read_flow_run_states(training.id)]
             assert StateType.CRASHED not in history, f"a cancelled run should never show Crashed: {history}"
-        assert wait_final(parent.id).state.is_failed()  # its train task saw the training run cancelled
+        parent = wait_final(parent.id)  # its train task saw the training run cancelled
+        assert parent.state.is_cancelled() and parent.state.message == f"its training run {training.name} was cancelled", parent.state
 
     assert free_now(stack) == {"a10-node": [0, 1], "t4-node": [0, 1]}
+
+
+def test_cancelling_a_train_llm_run_cancels_its_training_run_at_once_and_ends_cancelled_naming_it(stack, worker_pool, dataset):
+    """The pipeline run is cancelled while its training run trains: the worker cancels the
+    training run at once (not at the server's next cancellation sweep, up to 20 s later, with
+    its ranks training meanwhile), and the pipeline run ends Cancelled once it sees that run
+    cancelled, naming it (it says nothing of ranks it does not know have stopped)."""
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Cancelling
+
+    with stack.client_settings():
+        from prefect.deployments import run_deployment
+
+        request = GOOD | {"dataset": dataset, "steps": 100_000}
+        parent = run_deployment("train-llm/frenzy", parameters={"request": request, "cluster": "local-hetero"}, timeout=0)
+        with get_client(sync_client=True) as client:
+            training = training_stepping(stack, client, parent.id)
+            _, pids = host_and_pids(client.read_flow_run(training.id).infrastructure_pid)
+            client.set_flow_run_state(parent.id, Cancelling(message="cancelled by the test"), force=True)
+            run = wait_final(parent.id, timeout_s=120)
+            deadline = time.monotonic() + 60
+            while any(is_running(p) for p in pids):
+                assert time.monotonic() < deadline, "the training run's ranks still ran 60 s after its pipeline run was cancelled"
+                time.sleep(0.5)
+            training = wait_final(training.id, timeout_s=60)
+            history = client.read_flow_run_states(training.id)
+    assert run.state.is_cancelled() and run.state.message == f"its training run {training.name} was cancelled", run.state
+    assert training.state.is_cancelled(), training.state
+    cancelling = [s.message for s in sorted(history, key=lambda s: s.timestamp) if s.type == StateType.CANCELLING]
+    assert cancelling[0] == f"its pipeline run {run.name!r} was cancelled", cancelling  # (then its rank 0's own)
+    assert StateType.CRASHED not in [s.type for s in history], [s.type for s in history]
+    wait_for("every GPU to be free", lambda: free_now(stack) == {"a10-node": [0, 1], "t4-node": [0, 1]}, 30)
+
+
+def training_stepping(stack: LocalStack, client, run_id: UUID, timeout_s: float = 180) -> FlowRun:
+    """The training flow run of train-llm run ``run_id``, once its ranks are training."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        kids = children(stack, client.read_flow_run(run_id))
+        logs = kids and client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[kids[0].id])))
+        if logs and any(log.message.startswith("step ") for log in logs):
+            return kids[0]
+        assert time.monotonic() < deadline, "the training run never started stepping"
+        time.sleep(1)
 
 
 def gpu_events(stack, run_id: UUID, until: str, timeout_s: float = 60) -> list[dict]:

@@ -10,7 +10,11 @@ disturbs no other test.
 - The server killed with -9 and restarted mid-run: the ranks keep training, their GPUs stay
   held, cancelling works afterwards, and nothing is left held. Restarted without durable lease
   storage, the server forgets the lease: the run keeps its GPUs' slots and gives them back at
-  its end, and slots no live run holds are given back by the workers."""
+  its end, and slots no live run holds are given back by the workers.
+- The server and both workers killed together (a host's reboot, in-memory lease storage): rank
+  0 exits at once, and the restarted worker gives the lost run's GPUs back at once, by name.
+- SIGTERM to a worker, idle or having run a flow, while its server does not answer: it exits
+  within seconds, saying it stopped."""
 
 from __future__ import annotations
 
@@ -243,6 +247,44 @@ def test_a_server_that_forgets_leases_in_a_restart_leaks_no_gpu_and_never_hands_
     all_free(faults)
 
 
+def test_a_server_and_its_workers_lost_together_give_a_lost_runs_gpus_back_at_once(faults, dataset):
+    """A host's reboot on Prefect's default, in-memory lease storage: the server is killed with
+    -9, then both workers, while one run trains on both A10s and another waits for them; all are
+    started again. The server has forgotten the training run's lease while its GPUs' slots stay
+    taken: the worker that reclaims the lost run gives them back by name, and the waiting run
+    takes them at once (the leak sweep alone frees them 9-10 minutes later). Rank 0, stopped by
+    torchrun once its worker is gone, finds the server down and exits at once instead of trying
+    to report until torchrun kills it 30 s later."""
+    from tests.support.ranks import rank_pid
+
+    run_id = submit(faults, dataset, gpus=2, gpu_type="A10", steps=100_000, name="rebooted")
+    logged(faults, run_id, "step ")
+    _, (agent,) = host_and_pids(read(faults, run_id).infrastructure_pid)
+    rank0, owner = rank_pid(agent, 0), read(faults, run_id).labels["frenzy.worker"]
+    waiting = submit(faults, dataset, gpus=2, gpu_type="A10", steps=2, name="after-the-reboot")
+    logged(faults, waiting, "waiting for ")
+    said_before = (faults.logs / f"{owner}.log").read_text(errors="replace")
+
+    faults.kill_prefect()
+    for name in WORKERS:
+        faults.processes[name].kill()
+        faults.processes[name].wait()
+    wait_for("rank 0 to exit", lambda: not is_running(rank0, group=False), 60)
+    ranks_said = (faults.logs / f"{owner}.log").read_text(errors="replace")[len(said_before) :]
+    assert "rank 0: the Prefect server does not answer; exit 143 without a report" in ranks_said, ranks_said[-3000:]
+    assert "forcefully exiting via Signals.SIGKILL" not in ranks_said, ranks_said[-3000:]
+
+    faults.restart_prefect(PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE=VOLATILE_LEASE_STORAGE)
+    for name in WORKERS:
+        faults.start_worker(POOL, name=name)
+    (reclaimed,) = logged(faults, run_id, "Reclaimed: ", timeout_s=120)
+    assert "by name (the Prefect server no longer knew its lease " in reclaimed.message, reclaimed.message
+    logged(faults, waiting, "Reserved GPUs a10-node[0, 1]", timeout_s=180)  # (not 540-600 s, the leak sweep's)
+    assert final(faults, waiting).state.is_completed()
+    assert read(faults, run_id).state.is_crashed() and read(faults, run_id).labels["frenzy.gpus"] == ""
+    all_free(faults)
+
+
 def test_an_idle_worker_exits_within_seconds_of_sigterm_even_while_its_server_does_not_answer(faults):
     """`prefect worker start` with nothing to do, sent SIGTERM (what a service manager sends)
     while its server is frozen (SIGSTOP: a server that accepts connections and never answers):
@@ -266,6 +308,32 @@ def test_an_idle_worker_exits_within_seconds_of_sigterm_even_while_its_server_do
     print(f"the idle worker exited {took:.1f} s after SIGTERM, its server frozen")
     assert idle.returncode == 0 and took < 2 * EXIT_FLUSH_S + 2, f"exit {idle.returncode} after {took:.1f} s"
     assert not [pid for pid in started if os.path.exists(f"/proc/{pid}")], started
+
+
+def test_a_worker_that_has_run_a_flow_exits_within_seconds_of_sigterm_saying_it_stopped(faults, dataset):
+    """The worker that trained a run, idle again, sent SIGTERM while its server is down (killed,
+    as in an outage or a reboot): it exits within EXIT_FLUSH_S of the signal whatever its shutdown
+    still waits for, and its output ends with the worker's "stopped" line."""
+    run_id = submit(faults, dataset, gpus=1, gpu_type="T4", steps=2, name="before-the-stop")
+    assert final(faults, run_id).state.is_completed()
+    logged(faults, run_id, "Releasing GPUs ")
+    name = read(faults, run_id).labels["frenzy.worker"]
+    worker, log = faults.processes[name], faults.logs / f"{name}.log"
+    said_before = len(log.read_text(errors="replace"))
+    time.sleep(3)  # idle again, past its next poll
+    faults.kill_prefect()
+    try:
+        asked = time.monotonic()
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(timeout=60)
+        took = time.monotonic() - asked
+    finally:
+        faults.restart_prefect()
+        faults.start_worker(POOL, name=name)
+    said = log.read_text(errors="replace")[said_before:]
+    print(f"the worker that had run a flow exited {took:.1f} s after SIGTERM, its server down")
+    assert worker.returncode == 0 and took < 2 * EXIT_FLUSH_S + 2, f"exit {worker.returncode} after {took:.1f} s"
+    assert f"Worker {name!r} stopped!" in said, said[-2000:]
 
 
 def lease_storage_warning(stack: LocalStack) -> str | None:

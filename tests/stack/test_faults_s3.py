@@ -23,6 +23,7 @@ from frenzy_prefect.spec.workload import Workload
 from frenzy_prefect.storage import CHECKPOINT_WRITE_TIMEOUT_ENV, exists, filesystem, stall_bound_s
 from frenzy_prefect.training import checkpoint
 from frenzy_prefect.training.engine import Engine
+from frenzy_prefect.training.fence import claim
 from frenzy_prefect.training.manifest import step_uri
 from tests.support.runs import free_now, training_job, wait_final
 from tests.support.stack import frozen, moto_server, sentences
@@ -40,6 +41,7 @@ ALL_FREE = {"a10-node": [0, 1], "t4-node": [0, 1]}
 
 
 WRITE_BOUND_S = 6  # the whole write's, through the environment; each request keeps its default 54 s
+SET_BOUND = f"{CHECKPOINT_WRITE_TIMEOUT_ENV}={WRITE_BOUND_S}"  # what the message says of a bound that was set
 
 
 def test_a_checkpoint_write_to_a_stalled_endpoint_fails_within_its_whole_bound_not_each_requests(s3, tmp_path, monkeypatch):
@@ -52,16 +54,17 @@ def test_a_checkpoint_write_to_a_stalled_endpoint_fails_within_its_whole_bound_n
         fs, _ = filesystem(f"s3://{STALLED_BUCKET}")
         fs.mkdir(STALLED_BUCKET)
         prefix = f"s3://{STALLED_BUCKET}/runs/bounded/checkpoints"
-        checkpoint.save(engine, prefix, 1, [1.0], keep=2)  # the endpoint answering: written
+        held = claim(prefix, None)
+        checkpoint.save(engine, held, 1, [1.0], keep=2)  # the endpoint answering: written
         with frozen(server):
             started = time.monotonic()
             with pytest.raises(StorageUnreachable) as failed:
-                checkpoint.save(engine, prefix, 2, [1.0, 0.9], keep=2)
+                checkpoint.save(engine, held, 2, [1.0, 0.9], keep=2)
             took = time.monotonic() - started
     message = str(failed.value)
     assert stall_bound_s() > 5 * WRITE_BOUND_S and took < 3 * WRITE_BOUND_S, f"{took:.1f} s: {message}"
     assert step_uri(prefix, 2) in message and endpoint in message, message
-    assert f"did not finish writing the checkpoint within {WRITE_BOUND_S} s" in message, message
+    assert f"did not finish writing the checkpoint within {WRITE_BOUND_S} s, its bound ({SET_BOUND})" in message, message
 
 
 def logs_of(run_id) -> list[str]:
@@ -133,7 +136,7 @@ def test_a_stalled_endpoint_fails_the_run_within_the_write_bound_naming_uri_and_
     # Rank 0 reports the cause itself (StorageUnreachable), not 'aborted by a termination signal'.
     assert "StorageUnreachable" in message and endpoint in message, message
     assert job.checkpoint_uri in message, message
-    assert f"did not finish writing the checkpoint within {WRITE_BOUND_S} s" in message, message
+    assert f"did not finish writing the checkpoint within {WRITE_BOUND_S} s, its bound ({SET_BOUND})" in message, message
     # Every rank's write gives up at the bound, long before one request would (54 s); up to ten
     # more steps, rank 0's report and the ranks' exit come on top.
     print(f"the run ended {ended_s:.1f} s after the endpoint froze: {message}")

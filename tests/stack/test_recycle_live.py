@@ -19,7 +19,7 @@ import torch
 from frenzy_prefect.profiling.dataset import profile_dataset
 from frenzy_prefect.spec.plan import ParallelPlan, Placement, TrainingJob
 from frenzy_prefect.storage import filesystem, open_uri
-from frenzy_prefect.training.manifest import complete_checkpoints, step_uri
+from frenzy_prefect.training.manifest import committed_checkpoints, complete_checkpoints, step_of, step_uri
 from frenzy_prefect.training.resilient.liveness import INCARNATION_ENV
 from tests.support.ranks import is_trainer
 from tests.support.resume import _whole_weights, assert_resumed_after, files_of
@@ -184,8 +184,8 @@ def assert_restarts_from_the_last_checkpoint(job: TrainingJob, ranks: tuple[int,
             len(killed) == len(ranks) and (t := trainer_of(ranks[0], 0)) is not None and t.pid not in killed
         ):
             time.sleep(0.05)
-        newest = complete_checkpoints(job.checkpoint_uri)[-1]
-        at_restart.append((int(newest.rsplit("-", 1)[1]), files_of(newest)))
+        newest = committed_checkpoints(job.checkpoint_uri)[0]
+        at_restart.append((step_of(newest), files_of(newest)))
 
     watcher = threading.Thread(target=note_the_checkpoint_resumed_from)
     watcher.start()

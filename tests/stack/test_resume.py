@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import re
 import signal
+import sys
 import threading
 import time
 
@@ -18,12 +20,23 @@ import torch
 
 from frenzy_prefect.profiling.dataset import profile_dataset
 from frenzy_prefect.spec.plan import ParallelPlan, Placement, TrainingJob
-from frenzy_prefect.storage import filesystem, open_uri, write_bytes
+from frenzy_prefect.storage import filesystem, open_uri, read_versioned, write_bytes
 from frenzy_prefect.training import checkpoint
 from frenzy_prefect.training.distributed import DistributedContext, free_port
 from frenzy_prefect.training.engine import Engine
-from frenzy_prefect.training.manifest import MANIFEST, complete_checkpoints, latest, step_uri
-from frenzy_prefect.training.trainer import train
+from frenzy_prefect.training.fence import ATTEMPT_ENV, POLL_ENV, claim
+from frenzy_prefect.training.manifest import (
+    MANIFEST,
+    committed_checkpoints,
+    complete_checkpoints,
+    generation_of,
+    head_uri,
+    latest,
+    read_head,
+    step_of,
+    step_uri,
+)
+from frenzy_prefect.training.trainer import resume, train
 from tests.support.resume import _whole_weights, assert_resumed_after, files_of
 from tests.support.stack import BUCKET
 from tests.support.training import NANO, launch, make_job
@@ -75,9 +88,11 @@ def test_a_resumed_run_reaches_the_uninterrupted_runs_losses_step_for_step(datas
     tear(ninth)
     kept = files_of(third)
 
-    assert launch(job)[0] == 0  # the same run again, as a Prefect retry starts it
+    assert launch(job)[0] == 0  # the same run again, as a Prefect retry starts it: generation 2
     assert_resumed_after(job, 3, kept)
-    assert complete_checkpoints(job.checkpoint_uri) == [third, sixth, ninth]
+    again = [step_uri(job.checkpoint_uri, s, 2) for s in (6, 9)]
+    assert complete_checkpoints(job.checkpoint_uri) == [third, *again]  # the torn ones pruned
+    assert committed_checkpoints(job.checkpoint_uri) == [*again[::-1], third]
     assert losses_of(job) == ref  # the same plan and data: bit for bit
 
 
@@ -200,7 +215,7 @@ def test_a_rank_killed_mid_write_leaves_the_previous_checkpoint_usable_and_the_t
     assert [p.exitcode for p in ranks] == [0, 0]
     assert_resumed_after(job, 3, kept)
     assert losses_of(job) == ref
-    assert complete_checkpoints(job.checkpoint_uri) == [third, sixth, step_uri(job.checkpoint_uri, 9)]
+    assert complete_checkpoints(job.checkpoint_uri) == [third, step_uri(job.checkpoint_uri, 6, 2), step_uri(job.checkpoint_uri, 9, 2)]
 
 
 def _half_written(uri: str) -> None:
@@ -225,12 +240,13 @@ def test_a_corrupt_newest_manifest_is_named_in_the_log_and_the_run_resumes_from_
         p.join(timeout=180)
     assert [p.exitcode for p in ranks] == [0, 0]
     lines = log.read_text().splitlines()
-    assert lines[0].startswith(f"warning: skipping the checkpoint at {ninth}: its manifest {ninth}/{MANIFEST} is corrupt: "), lines[:3]
-    assert lines[1].startswith(f"resumed from {sixth} (step 6,"), lines[:3]
-    assert lines[2].startswith("step 7/9 loss"), lines[:3]  # the first step trained after the restart
+    assert lines[0].startswith(f"warning: skipping the checkpoint at {ninth}: its manifest {ninth}/{MANIFEST} is corrupt: "), lines[:4]
+    assert lines[1].startswith(f"resumed from {sixth} (step 6,"), lines[:4]
+    assert lines[2] == "generation 2 takes the run over from generation 1: resuming from step 6", lines[:4]
+    assert lines[3].startswith("step 7/9 loss") and lines[3].endswith("; generation 2)"), lines[:4]  # the first step trained since
     assert_resumed_after(job, 6, kept)
     assert losses_of(job) == ref
-    assert latest(job.checkpoint_uri)[0] == ninth  # written again, whole
+    assert latest(job.checkpoint_uri)[0] == step_uri(job.checkpoint_uri, 9, 2)  # written again, whole, by generation 2
 
 
 @pytest.mark.parametrize(
@@ -263,8 +279,16 @@ def test_resume_and_pruning_pass_over_a_newer_corrupt_checkpoint_to_the_only_int
     assert len(warnings) == 1 and warnings[0].startswith(f"warning: skipping the checkpoint at {ninth}: "), warnings
     assert manifest in warnings[0] or ".metadata" in warnings[0], warnings
 
-    checkpoint.prune(target.checkpoint_uri, keep=1)  # keep_checkpoints=1: the corrupt step 9 is not the one kept
-    assert latest(target.checkpoint_uri)[0] == sixth
+    # The run again: it resumes from step 6, and the corrupt step 9 counts for nothing in the
+    # checkpoints its next commit keeps (2): it never displaces the only intact one.
+    held = claim(target.checkpoint_uri, None)
+    engine = Engine(NANO, ParallelPlan(micro_batch=8), target.request.workload)  # (DCP reshards dp=2's checkpoint)
+    warnings.clear()
+    resumed = resume(target, engine, warnings.append, held)
+    assert resumed.step == 6 and warnings[0].startswith(f"warning: skipping the checkpoint at {ninth}: "), warnings
+    seventh, _ = checkpoint.save(engine, held, 7, resumed.losses + [0.0], keep=2)
+    assert committed_checkpoints(target.checkpoint_uri) == [seventh, sixth]
+    assert complete_checkpoints(target.checkpoint_uri) == [sixth, seventh]  # step 9 pruned
 
 
 def _agent_pids() -> list[int]:
@@ -313,8 +337,8 @@ def test_with_max_restarts_a_lost_rank_restarts_the_ranks_from_the_last_checkpoi
         # Once torchrun has started the ranks again (and before they can have trained a step),
         # the newest complete checkpoint is the one they resume from.
         _wait_for(lambda: (r := rank_1()) is not None and r.pid != victim.pid, 180, "torchrun never restarted rank 1")
-        newest = complete_checkpoints(job.checkpoint_uri)[-1]
-        at_kill.append((int(newest.rsplit("-", 1)[1]), files_of(newest)))
+        newest = committed_checkpoints(job.checkpoint_uri)[0]
+        at_kill.append((step_of(newest), files_of(newest)))
 
     killer = threading.Thread(target=kill_rank_1_after_a_checkpoint)
     killer.start()
@@ -325,3 +349,112 @@ def test_with_max_restarts_a_lost_rank_restarts_the_ranks_from_the_last_checkpoi
     assert step < job.request.steps, "rank 1 died after the last checkpoint"
     assert_resumed_after(job, step, files)
     assert losses_of(job) == ref
+
+
+def _train_attempt(rank: int, port: int, job_json: str, env: dict, folder: str) -> None:
+    """One rank of an attempt, as torchrun starts it without a flow run (training.entry); rank
+    0's log lines and every rank's stderr go to a file of its own in ``folder``."""
+    from frenzy_prefect.training.entry import train_quietly
+
+    os.environ.update(env | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    torch.set_num_threads(1)
+    out = open(os.path.join(folder, f"rank-{rank}.log"), "a", buffering=1)  # (the process's own, to its end)
+    sys.stderr = out
+
+    def log(line: str) -> None:
+        if rank == 0:
+            out.write(line + "\n")
+
+    train_quietly(TrainingJob.model_validate_json(job_json), DistributedContext(rank=rank, world_size=2), log=log)
+
+
+def _start_attempt(job: TrainingJob, attempt: str, folder, poll_s: str = "0.2") -> list[multiprocessing.Process]:
+    """The two ranks of an attempt of ``job`` (fence.ATTEMPT_ENV ``attempt``), watching the head every ``poll_s``."""
+    folder.mkdir()
+    spawn, port = multiprocessing.get_context("spawn"), free_port()
+    env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")} | {ATTEMPT_ENV: attempt, POLL_ENV: poll_s}
+    ranks = [spawn.Process(target=_train_attempt, args=(r, port, job.model_dump_json(), env, str(folder))) for r in (0, 1)]
+    for p in ranks:
+        p.start()
+    return ranks
+
+
+def _joined(ranks: list[multiprocessing.Process], timeout_s: float = 240) -> list[int | None]:
+    for p in ranks:
+        p.join(timeout=timeout_s)
+        if p.is_alive():
+            p.kill()
+    return [p.exitcode for p in ranks]
+
+
+@pytest.mark.faults
+def test_a_frozen_older_generations_commit_is_refused_and_its_ranks_stop_once_a_newer_one_has_begun(dataset, reference, tmp_path):
+    """Attempt 1.0 commits a checkpoint and is frozen (SIGSTOP, as a node cut off); attempt 1.1
+    (the run's next submission) claims generation 2, resumes from that checkpoint and finishes.
+    Thawed, the first attempt's next commit is refused by the storage (its watch is not polling)
+    and its ranks stop, exit 0, with one line; and started again, it does not start."""
+    _, ref = reference
+    job = job_of(dataset, "fenced-commit", DP2, keep_checkpoints=3)  # the one resumed from is checked untouched
+    old = _start_attempt(job, "1.0", tmp_path / "a", poll_s="3600")
+    try:
+        _wait_for(lambda: committed_checkpoints(job.checkpoint_uri), 180, "generation 1 committed no checkpoint")
+        for p in old:
+            os.kill(p.pid, signal.SIGSTOP)
+        try:
+            resumed = committed_checkpoints(job.checkpoint_uri)[0]
+            step, kept = step_of(resumed), files_of(resumed)
+            assert step < job.request.steps, "generation 1 finished before it was frozen"
+            assert _joined(_start_attempt(job, "1.1", tmp_path / "b")) == [0, 0]
+            assert_resumed_after(job, step, kept)
+            assert losses_of(job) == ref
+            head = read_versioned(head_uri(job.checkpoint_uri))
+        finally:
+            for p in old:
+                os.kill(p.pid, signal.SIGCONT)
+        assert _joined(old) == [0, 0]
+    finally:
+        for p in old:
+            p.kill()
+    lines = (tmp_path / "a" / "rank-0.log").read_text().splitlines()
+    stops = [line for line in lines if line.startswith("generation 1 stops at step ")]
+    assert len(stops) == 1 and lines[-1] == stops[0], lines[-5:]
+    assert re.search(r": its checkpoint of step \d+ is refused: generation 2 \(attempt 1\.1\.0\) took the run over at ", stops[0]), stops
+    assert read_versioned(head_uri(job.checkpoint_uri)) == head  # nothing of generation 1 committed since
+    committed = read_head(job.checkpoint_uri)[0]
+    assert committed.generation == 2 and all(c.generation == 2 for c in committed.committed if c.step > step), committed
+    assert losses_of(job) == ref
+
+    # Its torchrun restarting it: an older attempt than the one holding the run.
+    files = _objects_under(job.checkpoint_uri)
+    assert _joined(_start_attempt(job, "1.0", tmp_path / "again")) == [0, 0]
+    said = (tmp_path / "again" / "rank-0.log").read_text().splitlines()
+    assert said == ["attempt 1.0.0 does not start: generation 2 (attempt 1.1.0) holds the run"], said
+    assert _objects_under(job.checkpoint_uri) == files and read_versioned(head_uri(job.checkpoint_uri)) == head
+
+
+@pytest.mark.faults
+def test_an_older_generation_stops_at_a_step_once_its_watch_sees_a_newer_one(dataset, reference, tmp_path):
+    """Attempt 1.0 trains with no checkpoint due; attempt 1.1 claims the run and trains it to
+    its end. The first attempt's watch (every 0.2 s) sees generation 2, and its ranks stop at
+    a step's end, exit 0, with one line, having written nothing."""
+    _, ref = reference
+    job = job_of(dataset, "fenced-watch", DP2)
+    endless = job.model_copy(update={"request": job.request.model_copy(update={"steps": 100_000, "checkpoint_every": 100_000})})
+    old = _start_attempt(endless, "1.0", tmp_path / "a")
+    try:
+        _wait_for(lambda: "step 1/" in _text(tmp_path / "a" / "rank-0.log"), 180, "generation 1 trained no step")
+        assert _joined(_start_attempt(job, "1.1", tmp_path / "b")) == [0, 0]
+        assert _joined(old, timeout_s=120) == [0, 0]
+    finally:
+        for p in old:
+            p.kill()
+    lines = (tmp_path / "a" / "rank-0.log").read_text().splitlines()
+    assert re.fullmatch(r"generation 1 stops at step \d+: generation 2 \(attempt 1\.1\.0\) took the run over at \d\d:\d\d:\d\dZ", lines[-1])
+    assert sum(line.startswith("generation 1 stops") for line in lines) == 1, lines[-5:]
+    assert "rank 1 stops" in (tmp_path / "a" / "rank-1.log").read_text()
+    assert losses_of(job) == ref
+    assert all(generation_of(uri) == 2 for uri in complete_checkpoints(job.checkpoint_uri))
+
+
+def _text(path) -> str:
+    return path.read_text() if path.exists() else ""

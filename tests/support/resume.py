@@ -19,15 +19,16 @@ def files_of(uri: str) -> dict[str, object]:
     return {name: info["LastModified"] for name, info in fs.find(path, detail=True).items()}
 
 
-def assert_resumed_after(job: TrainingJob, step: int, files_before: dict[str, object]) -> None:
-    """The job's last attempt resumed from its checkpoint of ``step``, not from scratch (training
-    is deterministic, so the losses alone cannot tell): the first step it trained is the next one,
-    it trained each later step once, and that checkpoint's files are as they were."""
+def assert_resumed_after(job: TrainingJob, step: int, files_before: dict[str, object], generation: int = 1) -> None:
+    """The job's last attempt resumed from its checkpoint of ``step`` (written by ``generation``),
+    not from scratch (training is deterministic, so the losses alone cannot tell): the first step
+    it trained is the next one, it trained each later step once, and that checkpoint's files are
+    as they were."""
     with open_uri(job.metrics_uri, "r") as f:
         result = TrainingResult.model_validate_json(f.read())
     assert result.first_step == step + 1, f"the attempt trained from step {result.first_step}, not step {step + 1}"
     assert len(result.step_s) == job.request.steps - step, f"it trained {len(result.step_s)} steps after step {step}"
-    assert files_of(step_uri(job.checkpoint_uri, step)) == files_before, "the checkpoint it resumed from was written again"
+    assert files_of(step_uri(job.checkpoint_uri, step, generation)) == files_before, "the checkpoint it resumed from was written again"
 
 
 def _whole_weights(uri: str) -> dict[str, torch.Tensor]:

@@ -10,6 +10,8 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
     FlowRunFilter,
     FlowRunFilterParentFlowRunId,
+    LogFilter,
+    LogFilterFlowRunId,
 )
 from prefect.client.schemas.objects import FlowRun
 
@@ -116,3 +118,32 @@ def job_of_run(stack, run_id: UUID):
     from frenzy_prefect.spec.plan import TrainingJob
 
     return TrainingJob.model_validate(flow_run(stack, run_id).parameters["job"])
+
+
+def run_events(stack, run_id: UUID, prefix: str, done, timeout_s: float = 30) -> list[dict]:
+    """The events named ``prefix``... about a flow run (its resource or a related one), once
+    ``done(events)`` (the server stores events a moment after they are sent)."""
+    about = {"event": {"prefix": [prefix]}, "any_resource": {"id": [f"prefect.flow-run.{run_id}"]}}
+    deadline = time.monotonic() + timeout_s
+    with stack.client_settings(), get_client(sync_client=True) as client:
+        while not done(events := client._client.post("/events/filter", json={"filter": about}).json()["events"]):
+            assert time.monotonic() < deadline, [(e["event"], e["resource"]) for e in events]
+            time.sleep(0.5)
+    return events
+
+
+def training_events(stack, training_run: UUID, until: str, timeout_s: float = 30) -> list[dict]:
+    """The frenzy.training.* events about a training flow run, once ``until`` is among them."""
+    return run_events(stack, training_run, "frenzy.training.", lambda events: any(e["event"] == until for e in events), timeout_s)
+
+
+def training_after_a_checkpoint(stack, client, run_id: UUID) -> UUID:
+    """The training flow run of train-llm run ``run_id``, once it has written a checkpoint."""
+    deadline = time.monotonic() + 300
+    while not (trainings := children(stack, client.read_flow_run(run_id))) or not any(
+        log.message.startswith("checkpoint of step")
+        for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[trainings[0].id])))
+    ):
+        assert time.monotonic() < deadline, "the training run wrote no checkpoint"
+        time.sleep(0.5)
+    return trainings[0].id

@@ -138,6 +138,17 @@ class SlurmCluster:
                 raise RuntimeError(f"Slurm nodes {nodes} not idle after {timeout_s:.0f} s: {self.cli('sinfo', '-N', check=False)}")
             time.sleep(0.5)
 
+    def kill_slurmd(self, node: str) -> None:
+        """SIGKILL ``node``'s slurmd, as a crash or a network split between it and the controller
+        would leave the node: its jobs' steps and ranks run on (orphans), and after SlurmdTimeout
+        the controller declares the node down and its jobs NODE_FAIL."""
+        os.kill(int((self.base / "run" / f"slurmd-{node}.pid").read_text().split()[0]), signal.SIGKILL)
+
+    def start_slurmd(self, node: str) -> None:
+        """Start ``node``'s slurmd again (it kills what is left of its lost jobs' steps); with
+        ReturnToService=2 the controller takes the node back once it registers."""
+        subprocess.run(["/usr/sbin/slurmd", "-f", str(self.conf), "-N", node], env=self.env, check=True, timeout=30)
+
     def pids(self) -> list[int]:
         files = [self.base / "munge" / "munged.pid", self.base / "run" / "slurmctld.pid"]
         files += [self.base / "run" / f"slurmd-{n}.pid" for n in NODES]

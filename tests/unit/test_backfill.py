@@ -236,3 +236,18 @@ def test_a_run_across_types_waits_behind_a_single_type_head_unless_it_ends_befor
     assert isinstance(head, Wait) and head.reservation.at == NOW + 100
     assert isinstance(short, Start) and short.passed == head.reservation  # ends at NOW + 50, before the head's turn
     assert isinstance(long, Wait)  # would hold the head's A10 past NOW + 100
+
+
+def test_a_pinned_run_goes_to_its_node_only_and_waiting_for_it_holds_up_no_one():
+    """A node's check (`frenzy cluster check`) is pinned to that node: placed there even where
+    another node of its type is free, and while its node is busy it waits without heading the
+    line, so a later run of its type starts on the other node."""
+    nodes = [_node("a", 2), _node("b", 2)]
+    (check,) = decide([Want("A10", 2, nodes=("b",))], nodes, {"a": [0, 1], "b": [0, 1]}, [], NOW)
+    assert isinstance(check, Start) and [(p.node, p.gpus) for p in check.placements] == [("b", [0, 1])]
+    busy_b = {"a": [0, 1], "b": [0]}
+    holders = [_holder(("b", 1), ends_at=None)]
+    check, training, later = decide([Want("A10", 2, nodes=("b",)), Want("A10", 2), Want("A10", 1)], nodes, busy_b, holders, NOW)
+    assert isinstance(check, Wait) and (check.position, check.free, check.reservation) == (1, 1, None)  # its node's free GPUs
+    assert isinstance(training, Start) and [p.node for p in training.placements] == ["a"]
+    assert isinstance(later, Start) and [(p.node, p.gpus) for p in later.placements] == [("b", [0])]

@@ -112,7 +112,7 @@ def test_plan_for_recycle_offers_only_the_pipelines_it_can_keep_running_or_says_
             ["estimate", "gpt2-small", "--dp", "2", "--micro-batch", "2", "--global-batch", "6"],
             "global_batch (6) must be divisible by dp * micro_batch",
         ),
-        (["estimate", "gpt2-small", "--gpu", "X100"], "unknown GPU type 'X100'; known: H200"),
+        (["estimate", "gpt2-small", "--gpu", "X100"], "unknown GPU type 'X100' (did you mean P100 or H100?); known: H200"),
         (["estimate", "gpt2-small", "--micro-batch", "0"], "micro_batch: Input should be greater than 0 (got 0)"),
         (["estimate", "gpt2-small", "--zero", "4"], "zero: Input should be 0, 1, 2 or 3 (got 4)"),
         (["estimate", "gpt-nano", "--pp", "2", "--stage-layers", "3,2"], "stage_layers (3+2 = 5) must add up to the model's 4 layers"),
@@ -153,12 +153,37 @@ def test_plan_for_recycle_offers_only_the_pipelines_it_can_keep_running_or_says_
         (["plan", "gpt-nano", "--global-batch", "8", "--seq-len", "64", "--cluster", "nope.yaml"], "cluster file nope.yaml does not exist"),
         (["deploy", "--approve"], "--approve goes with --on-new-data"),
         (["deploy", "--on-new-data", "s3://b/in/"], "--on-new-data and --request go together"),
+        (["estimate", "gpt2-smal"], "model 'gpt2-smal' is neither a preset (did you mean gpt2-small?) nor a path"),
+        (["estimate", "gpt2-small", "--gpu", "a100"], "unknown GPU type 'a100' (did you mean A100-80GB or A100-40GB?); known: H200"),
     ],
 )
 def test_bad_input_is_one_line_on_stderr_and_a_nonzero_exit(args, message):
     out = frenzy(*args)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.count("\n") == 1 and out.stderr.startswith("error: ") and message in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "message"),
+    [
+        ("{lr: .inf}", "optimizer.lr: Input should be a finite number (got inf)"),
+        ("{betas: [2, -1]}", "optimizer.betas.0: Input should be less than 1 (got 2)"),
+        (
+            "{warmup_steps: 500}",
+            "optimizer.warmup_steps (500) exceeds steps (100): the learning rate would never reach lr; accepted: 0 to 100",
+        ),
+    ],
+)
+def test_a_request_files_optimizer_is_checked_before_anything_is_deployed(tmp_path, optimizer, message):
+    request = tmp_path / "request.yaml"
+    request.write_text(f"model: gpt-nano\nglobal_batch: 8\nseq_len: 64\nsteps: 100\noptimizer: {optimizer}\n")
+    out = frenzy("deploy", "--on-new-data", "s3://b/in/", "--request", str(request))
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and message in out.stderr
+
+
+def test_gpu_types_are_named_ignoring_case_as_in_cluster_files():
+    lower, upper = frenzy("estimate", "gpt2-small", "--gpu", "h100", "--json"), frenzy("estimate", "gpt2-small", "--gpu", "H100", "--json")
+    assert lower.returncode == 0 and lower.stdout == upper.stdout
 
 
 def test_no_arguments_still_print_the_help():
@@ -197,9 +222,14 @@ def test_estimate_with_a_gpu_adds_its_overhead_and_says_so():
 
 
 def test_estimate_text_states_the_figure_and_the_default_sequence_length():
+    """The peak leads a short first line; the plan, the default sequence length's warning and the
+    figure each have a line of their own."""
     out = frenzy("estimate", "llama-micro", "--framework", "megatron", "--tp", "2")
     assert out.returncode == 0, out.stderr
-    assert "seq_len 512 (the model's max_seq_len; set --seq-len)" in out.stdout
+    first, plan, work = out.stdout.splitlines()[:3]
+    assert first == "peak 0.049 GiB per GPU (as megatron runs it): llama-micro, 4,287,744 parameters"
+    assert (plan, work) == ("  plan dp=1 tp=2 pp=1 mb=1 zero=0 recompute=none", "  bf16, flash attention, seq_len 512")
+    assert "  seq_len 512: the model's max_seq_len (--seq-len sets the one you train at)" in out.stdout.splitlines()
     assert "tensor bytes only (no CUDA context, NCCL buffers or allocator fragmentation" in out.stdout
     assert "sequence parallelism on (default with tp > 1)" in out.stdout
 

@@ -87,7 +87,16 @@ def test_plan_with_a_model_predicts_every_live_workers_peak_under_the_cases_sche
 
     args = ["--dp", "3", "--pp", "2", "--microbatches", "4", "--fail", "1", "--model", "gpt-nano", "--seq-len", "64", "--precision", "fp32"]
     out = json.loads(recycle(*args, "--json").stdout)
-    assert out["memory"] == {"model": "gpt-nano", "micro_batch": 1, "seq_len": 64, "precision": "fp32", "gpu": None}
+    assert out["memory"] == {
+        "model": "gpt-nano",
+        "micro_batch": 1,
+        "seq_len": 64,
+        "precision": "fp32",
+        "gpu": None,
+        "gpu_memory_bytes": None,
+        "usable_bytes": None,
+    }
+    assert "fits_per_worker" not in out["stages"][0]  # (no GPU to fit)
     schedule = planner("heuristic")(3, 2, 4, (0, 1), costs_from_fault_free_step(1.0, 3, 2, 4), None).schedule
     work = Workload(global_batch=12, seq_len=64, precision="fp32")
     expected = schedule_peaks(PRESETS["gpt-nano"], ParallelPlan(dp=3, pp=2), work, schedule)
@@ -97,3 +106,21 @@ def test_plan_with_a_model_predicts_every_live_workers_peak_under_the_cases_sche
     assert "peak each, GiB" in table
     bad = recycle(*args[:8], "--model", "nope")
     assert bad.exit_code == 2 and "model 'nope' is neither a preset" in bad.stderr
+
+
+def test_peaks_over_the_gpu_are_marked_and_counted_in_one_line():
+    """With --gpu, each peak is held against the GPU less the default margin: the JSON says which
+    fit, the table marks those that do not, and one line counts them and says what lowers them."""
+    args = ["--dp", "2", "--pp", "4", "--microbatches", "8", "--fail", "1", "--model", "llama-3.1-8b", "--seq-len", "4096", "--gpu", "H100"]
+    out = json.loads(recycle(*args, "--json").stdout)
+    usable = out["memory"]["usable_bytes"]
+    assert usable == out["memory"]["gpu_memory_bytes"] - 4_276_040_500 and usable > 0
+    for stage in out["stages"]:
+        assert stage["fits_per_worker"] == [peak <= usable for peak in stage["peak_bytes_per_worker"]]
+    over = sum(not fit for stage in out["stages"] for fit in stage["fits_per_worker"])
+    assert 0 < over < 7
+    text = " ".join(recycle(*args).stdout.split())
+    assert text.count("(over)") == over
+    assert f"{over} of 7 live workers exceed H100's usable 75.7 GiB (79.6 GiB less the default margin): lower --micro-batch" in text
+    fits = recycle(*args[:8], "--model", "gpt2-small", "--gpu", "H100").stdout
+    assert "(over)" not in fits and "exceed" not in fits

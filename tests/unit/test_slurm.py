@@ -117,3 +117,40 @@ def test_a_failed_node_is_replaced_by_a_like_node_that_takes_jobs_preferring_one
     assert replacements(job, ["b"], found, failed_before={"b", "d"})["b"].name == "c"  # d failed earlier in this run
     assert replacements(job, ["b"], found[:3], failed_before=set())["b"].name == "c"  # busy in part: the new job waits for it
     assert replacements(job, ["a", "b"], found[:3] + found[4:], failed_before=set()) is None  # one A10 node left for two
+
+
+def test_a_nodes_tracebacks_reach_the_runs_log_as_one_line_each_pointing_at_the_full_output(tmp_path):
+    """A rank killed with SIGKILL, as its node's log shows it (captured from torchrun): the other
+    rank's gloo error and torchrun's 30-line ChildFailedError report come as one line each,
+    gloo's "GLHF!" sign-off cut; read in two parts, cut inside a traceback."""
+    from frenzy_prefect.launch.slurm import LogTail
+
+    captured = (DATA / "torchrun_failure.log").read_text().splitlines(keepends=True)
+    log, tail = tmp_path / "n1.log", LogTail(tmp_path)
+    log.write_text("".join(captured[:3]))
+    lines = tail.lines()
+    with open(log, "a") as f:
+        f.write("".join(captured[3:]))
+    lines += tail.lines()
+    assert lines == [
+        "[n1] [rank0]: RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer"
+        " [127.0.0.1]:36485. This is typically caused by a remote worker crashing. Check the logs of the remote worker before"
+        f" reporting an error. (traceback in {log})",
+        "[n1] W1207 22:47:18.924000 22223 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 22240 closing signal"
+        " SIGTERM",
+        "[n1] E1207 22:47:18.957000 22223 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: -9) local_rank: 1"
+        " (pid: 22241) of binary: /opt/venv/bin/python",
+        f"[n1] torchrun: rank 1 (local_rank: 1) failed first: Signal 9 (SIGKILL) received by PID 22241 (full report in {log})",
+    ]
+
+
+def test_a_pending_job_slurm_has_not_looked_at_yet_says_so_not_none(tmp_path, capsys):
+    from frenzy_prefect.launch.slurm import NOT_YET_SCHEDULED, Watcher
+
+    watcher = Watcher(
+        SlurmSubmission(settings=SlurmSettings(python=sys.executable, working_dir=tmp_path), job_name="j", comment="c", nodes=[("n1", 1)])
+    )
+    watcher.job_id = "7"
+    said = watcher._tell_news("PENDING", "None", "")
+    said = watcher._tell_news("PENDING", "Priority", said)
+    assert capsys.readouterr().out.splitlines() == [f"Slurm job 7 pending: {NOT_YET_SCHEDULED}", "Slurm job 7 pending: Priority"]

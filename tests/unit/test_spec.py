@@ -1,6 +1,7 @@
 """Requests, model specs, cluster files: invalid values fail at the boundary, naming the field."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -27,6 +28,20 @@ def _request(**overrides):
         ("seq_len", -5, "seq_len: Input should be greater than 0 (got -5)"),
         ("precision", "fp8", "precision: Input should be 'fp32', 'bf16' or 'fp16' (got 'fp8')"),
         ("surprise", 1, "surprise: Extra inputs are not permitted (got 1)"),
+        ("optimizer", {"lr": float("inf")}, "optimizer.lr: Input should be a finite number (got inf)"),
+        ("optimizer", {"grad_clip": "nan"}, "optimizer.grad_clip: Input should be a finite number (got 'nan')"),
+        (
+            "optimizer",
+            {"betas": [2, -1]},
+            "optimizer.betas.0: Input should be less than 1 (got 2); "
+            "optimizer.betas.1: Input should be greater than or equal to 0 (got -1)",
+        ),
+        (
+            "optimizer",
+            {"warmup_steps": 5},
+            "TrainingRequest: optimizer.warmup_steps (5) exceeds steps (3): the learning rate would never reach lr; accepted: 0 to 3",
+        ),
+        ("deadline_hours", float("inf"), "deadline_hours: Input should be a finite number (got inf)"),
     ],
 )
 def test_bad_request_fields_are_named_with_what_is_accepted(field, value, expected):
@@ -150,7 +165,18 @@ def test_config_json_path_resolves(tmp_path):
 @pytest.mark.parametrize(
     ("model", "message"),
     [
-        ("gpt-9000", "neither a preset (gpt-nano"),
+        ("gpt-9000", "nor a path to an HF-style config.json; presets: gpt-nano, gpt-nano-bpe"),
+        ("gpt2-smal", "model 'gpt2-smal' is neither a preset (did you mean gpt2-small?) nor a path"),
+        ("llama", "neither a preset (did you mean llama-nano, llama-micro or llama-2-7b?)"),
+        (
+            {"hidden_size": "64", "num_attention_heads": 4, "head_dim": 16, "num_hidden_layers": 2, "vocab_size": 9},
+            "model config inline config: hidden_size='64' must be a whole number, written as a JSON number (\"hidden_size\": 64)",
+        ),
+        ({"n_layer": 2, "n_embd": 64.0, "n_head": 4, "vocab_size": 9, "n_positions": 8}, "n_embd=64.0 must be a whole number"),
+        (
+            {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 9, "n_positions": 8, "attn_pdrop": "0.1"},
+            "attn_pdrop='0.1' must be a number, written as a JSON number (\"attn_pdrop\": 0.1)",
+        ),
         ({"n_layer": 2, "n_embd": 64, "n_head": 4}, "lacks vocab_size"),
         ({"n_layer": 2, "n_embd": 64, "n_head": 5, "vocab_size": 9, "n_positions": 8}, "hidden (64) must be divisible by heads (5)"),
         ({"n_layer": 0, "n_embd": 64, "n_head": 4, "vocab_size": 9, "n_positions": 8}, "layers: Input should be greater than 0"),
@@ -158,8 +184,12 @@ def test_config_json_path_resolves(tmp_path):
     ],
 )
 def test_bad_models_say_what_is_wrong(model, message):
-    with pytest.raises(FrenzyError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(FrenzyError, match=re.escape(message)):
         resolve_model(model)
+
+
+def test_preset_names_ignore_case():
+    assert resolve_model("GPT2-Small") is PRESETS["gpt2-small"] and resolve_model("Llama-3.1-8B") is PRESETS["llama-3.1-8b"]
 
 
 def test_example_cluster_is_heterogeneous():
@@ -178,6 +208,21 @@ def test_cluster_files_reject_unknown_types_and_duplicate_nodes(tmp_path):
     dupes.write_text("nodes:\n  - {name: n1, host: h, gpu_type: T4, gpu_count: 1}\n  - {name: n1, host: h, gpu_type: T4, gpu_count: 1}\n")
     with pytest.raises(ValidationError, match="node names must be unique; repeated: n1"):
         ClusterSpec.from_file(dupes)
+
+
+def test_cluster_files_name_gpu_types_as_slurm_discovery_does_and_suggest_close_ones(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("prices: {h100: 2.5, a100_80gb: 1.8}\nnodes:\n  - {name: n1, host: h, gpu_type: h100, gpu_count: 8}\n")
+    cluster = ClusterSpec.from_file(path)
+    assert cluster.nodes[0].gpu_type == "H100" and cluster.prices == {"H100": 2.5, "A100-80GB": 1.8}
+    for typo, hint in [("A100", "(did you mean A100-80GB or A100-40GB?)"), ("H1000", "(did you mean H100, P100 or H200?)")]:
+        path.write_text(f"nodes:\n  - {{name: n1, host: h, gpu_type: {typo}, gpu_count: 8}}\n")
+        with pytest.raises(ValidationError) as exc:
+            ClusterSpec.from_file(path)
+        assert f"node 'n1' has unknown gpu_type '{typo}' {hint}; known types: A10, " in describe_validation_error(exc.value)
+    path.write_text("prices: {A10G: 1.0}\nnodes:\n  - {name: n1, host: h, gpu_type: A10, gpu_count: 8}\n")
+    with pytest.raises(ValidationError, match=r"prices name unknown GPU types A10G \(did you mean A10, "):
+        ClusterSpec.from_file(path)
 
 
 @pytest.mark.parametrize(

@@ -1,11 +1,13 @@
 """Datasets and object storage through a real S3 endpoint (moto's server) and s3fs."""
 
+import threading
+
 import pytest
 
-from frenzy_prefect.errors import FrenzyError
+from frenzy_prefect.errors import FrenzyError, StorageUnreachable
 from frenzy_prefect.profiling.token_sample import BLOCK_BYTES, BLOCKS, EDGE_BYTES, sample_ranges
 from frenzy_prefect.spec.dataset import TokenFile
-from frenzy_prefect.storage import Bounds, stall_bound_s
+from frenzy_prefect.storage import CHECKPOINT_WRITE_TIMEOUT_ENV, Bounds, Deadline, stall_bound_s
 from tests.support.storage import SHORT_BOUNDS
 
 
@@ -26,3 +28,16 @@ def test_the_request_bounds_come_from_the_environment_and_bad_ones_are_refused_i
     monkeypatch.setenv("FRENZY_S3_ATTEMPTS", "two")
     with pytest.raises(FrenzyError, match=r"^FRENZY_S3_ATTEMPTS='two' is not a whole number > 0 \(unset, it is 3\)$"):
         Bounds.from_env()
+
+
+def test_a_write_past_its_bound_says_whether_the_bound_was_set_or_the_default(monkeypatch):
+    stalled = threading.Event()
+    try:
+        monkeypatch.delenv(CHECKPOINT_WRITE_TIMEOUT_ENV, raising=False)
+        with pytest.raises(StorageUnreachable, match=rf"its bound \(0.2 s by default; {CHECKPOINT_WRITE_TIMEOUT_ENV} sets another\)$"):
+            Deadline("s3://b/x", 0.2, "writing the checkpoint").run(stalled.wait)
+        monkeypatch.setenv(CHECKPOINT_WRITE_TIMEOUT_ENV, " 0.2 ")
+        with pytest.raises(StorageUnreachable, match=rf"its bound \({CHECKPOINT_WRITE_TIMEOUT_ENV}=0.2\)$"):
+            Deadline("s3://b/x", 0.2, "writing the checkpoint").run(stalled.wait)
+    finally:
+        stalled.set()

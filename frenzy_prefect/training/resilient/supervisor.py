@@ -27,10 +27,11 @@ from collections.abc import Callable
 from frenzy_prefect.spec.plan import TrainingJob
 from frenzy_prefect.spec.result import TrainingResult
 from frenzy_prefect.training.distributed import DistributedContext
+from frenzy_prefect.training.fence import Fenced
 from frenzy_prefect.training.resilient.generations import EXCLUDED_EXIT, finished_result
 from frenzy_prefect.training.resilient.liveness import HEARTBEAT_S, INCARNATION_ENV, Log, mark_dead
 
-RESULT, EVENT = "frenzy-result ", "frenzy-event "
+RESULT, EVENT, FENCED = "frenzy-result ", "frenzy-event ", "frenzy-fenced "
 
 
 def report_event(event: str, details: dict) -> None:
@@ -72,10 +73,12 @@ def _run_trainer(incarnation: int, ctx: DistributedContext, log, notify) -> tupl
     stop = threading.Event()
     fence = threading.Thread(target=_kill_when_declared_dead, args=(ctx.rendezvous(), (ctx.rank, incarnation), trainer, stop), daemon=True)
     fence.start()
-    result = None
+    result, fenced = None, None
     for line in trainer.stdout:
         if line.startswith(RESULT):
             result = TrainingResult.model_validate_json(line.removeprefix(RESULT))
+        elif line.startswith(FENCED):  # a newer generation holds the run (training.fence): this rank stops
+            fenced = line.removeprefix(FENCED).rstrip("\n")
         elif line.startswith(EVENT):
             message = json.loads(line.removeprefix(EVENT))
             notify(message["event"], message["details"])
@@ -86,6 +89,8 @@ def _run_trainer(incarnation: int, ctx: DistributedContext, log, notify) -> tupl
     # Joined, not left as a daemon: a daemon thread caught inside a store call when the
     # interpreter exits is ended by pthread_exit in C++ code, and the process aborts (SIGABRT).
     fence.join()
+    if fenced is not None:
+        raise Fenced(fenced)
     return code, result if code == 0 else None
 
 

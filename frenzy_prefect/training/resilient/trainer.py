@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from contextlib import closing
 from dataclasses import asdict
+from datetime import UTC, datetime
 
 import torch.distributed as dist
 
@@ -22,10 +23,21 @@ from frenzy_prefect.spec.result import TrainingResult
 from frenzy_prefect.training.data import TokenWindows, replica_batches
 from frenzy_prefect.training.distributed import DistributedContext, together
 from frenzy_prefect.training.engine import Engine
+from frenzy_prefect.training.fence import Fence
 from frenzy_prefect.training.resilient.generations import FINISHED, Generation, await_admission, finished_result
 from frenzy_prefect.training.resilient.liveness import Heartbeat, incarnation_from_env
 from frenzy_prefect.training.resilient.steps import CHECKPOINT, RecycleSteps, share_from_live_replica
-from frenzy_prefect.training.trainer import Notify, Progress, build_engine, check_world, resume, run_steps, write_checkpoint, write_result
+from frenzy_prefect.training.trainer import (
+    Notify,
+    Progress,
+    build_engine,
+    check_world,
+    claim,
+    resume,
+    run_steps,
+    write_checkpoint,
+    write_result,
+)
 
 
 def train(job: TrainingJob, ctx: DistributedContext, log: Callable[[str], None] = print, notify: Notify | None = None) -> TrainingResult:
@@ -39,7 +51,7 @@ def train(job: TrainingJob, ctx: DistributedContext, log: Callable[[str], None] 
     heartbeat = Heartbeat(ctx.rendezvous, (ctx.rank, incarnation))
     try:
         if incarnation == 0:
-            engine, generation, progress, data = _start(job, ctx, store, log)
+            held, engine, generation, progress, data = _start(job, ctx, store, log)
         else:
             data = TokenWindows(job.dataset, job.request.seq_len)  # (before joining: no collective the members are not in)
             admission = await_admission(store, (ctx.rank, incarnation))
@@ -48,6 +60,7 @@ def train(job: TrainingJob, ctx: DistributedContext, log: Callable[[str], None] 
             generation, note = admission
             joined = time.perf_counter()
             engine, progress = _join(job, ctx, generation, note, log)
+            held = Fence(job.checkpoint_uri, progress.generation, datetime.now(UTC))  # (the members claimed the run)
 
         def build(job: TrainingJob, rank: int, live: list[int]) -> Engine:
             return build_engine(job, ctx.model_copy(update={"rank": rank}), live)
@@ -56,7 +69,7 @@ def train(job: TrainingJob, ctx: DistributedContext, log: Callable[[str], None] 
             """Step ``step``'s checkpoint, written by the members unless it is (a re-plan resumes from it)."""
             if progress.final is not None and progress.last_saved == step:
                 return
-            uri, save_s = write_checkpoint(job, ctx, steps.engine, step, progress.losses)
+            uri, save_s = write_checkpoint(job, ctx, held, steps.engine, step, progress.losses)
             progress.last_saved, progress.final, progress.save_s = step, uri, save_s
             log(f"checkpoint of step {step} written to {uri} in {save_s:.2f} s")
 
@@ -78,7 +91,7 @@ def train(job: TrainingJob, ctx: DistributedContext, log: Callable[[str], None] 
 
         first = progress.next_step
         with closing(data):
-            timings = run_steps(job, ctx, lambda: steps.engine, data, progress, run_step, log, notify, survive)
+            timings = run_steps(job, ctx, held, lambda: steps.engine, data, progress, run_step, log, notify, survive)
         if timings["step"]:
             each, share = steps.commit_s / len(timings["step"]), steps.commit_s / sum(timings["step"])
             log(f"rank {ctx.rank}: commit points took {1000 * each:.1f} ms a step ({share:.1%} of the steps)")
@@ -93,13 +106,15 @@ def train(job: TrainingJob, ctx: DistributedContext, log: Callable[[str], None] 
 
 
 def _start(job: TrainingJob, ctx: DistributedContext, store, log: Callable[[str], None]):
-    """The first incarnation: the whole world's process group, engine, resumed progress and data."""
+    """The first incarnation: the run claimed (``trainer.claim``), the whole world's process
+    group, engine, resumed progress and data."""
     ctx.init_process_group(store)
     generation = Generation(store, 0, list(range(ctx.world_size)), ctx.rank, dict.fromkeys(range(ctx.world_size), 0))
     engine = build_engine(job, ctx)
-    progress = Progress.start(job, together(ctx, lambda: resume(job, engine, log)))
     data = together(ctx, lambda: TokenWindows(job.dataset, job.request.seq_len))
-    return engine, generation, progress, data
+    held = claim(job, ctx)  # (once its data reads)
+    progress = Progress.start(job, together(ctx, lambda: resume(job, engine, log, held)), held.generation)
+    return held, engine, generation, progress, data
 
 
 def _join(job: TrainingJob, ctx: DistributedContext, generation: Generation, note: dict, log: Callable[[str], None]):
