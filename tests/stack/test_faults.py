@@ -254,7 +254,9 @@ def test_a_server_and_its_workers_lost_together_give_a_lost_runs_gpus_back_at_on
     taken: the worker that reclaims the lost run gives them back by name, and the waiting run
     takes them at once (the leak sweep alone frees them 9-10 minutes later). Rank 0, stopped by
     torchrun once its worker is gone, finds the server down and exits at once instead of trying
-    to report until torchrun kills it 30 s later."""
+    to report until torchrun kills it 30 s later. Last, the worker that trained the waiting run,
+    idle again, is sent SIGTERM while its server is down once more: it exits within EXIT_FLUSH_S
+    of the signal whatever its shutdown still waits for, its output ending with its "stopped" line."""
     from tests.support.ranks import rank_pid
 
     run_id = submit(faults, dataset, gpus=2, gpu_type="A10", steps=100_000, name="rebooted")
@@ -283,6 +285,29 @@ def test_a_server_and_its_workers_lost_together_give_a_lost_runs_gpus_back_at_on
     assert final(faults, waiting).state.is_completed()
     assert read(faults, run_id).state.is_crashed() and read(faults, run_id).labels["frenzy.gpus"] == ""
     all_free(faults)
+    assert_a_used_worker_stops_within_its_bound(faults, read(faults, waiting).labels["frenzy.worker"])
+
+
+def assert_a_used_worker_stops_within_its_bound(faults: LocalStack, name: str) -> None:
+    """SIGTERM to worker ``name``, which has run flows and is idle, with its server killed (an
+    outage or a reboot): it exits within EXIT_FLUSH_S of the signal and says it stopped. The
+    server and the worker are started again."""
+    worker, log = faults.processes[name], faults.logs / f"{name}.log"
+    said_before = len(log.read_text(errors="replace"))
+    time.sleep(3)  # idle again, past its next poll
+    faults.kill_prefect()
+    try:
+        asked = time.monotonic()
+        worker.send_signal(signal.SIGTERM)
+        worker.wait(timeout=60)
+        took = time.monotonic() - asked
+    finally:
+        faults.restart_prefect()
+        faults.start_worker(POOL, name=name)
+    said = log.read_text(errors="replace")[said_before:]
+    print(f"the worker that had run flows exited {took:.1f} s after SIGTERM, its server down")
+    assert worker.returncode == 0 and took < 2 * EXIT_FLUSH_S + 2, f"exit {worker.returncode} after {took:.1f} s"
+    assert f"Worker {name!r} stopped!" in said, said[-2000:]
 
 
 def test_an_idle_worker_exits_within_seconds_of_sigterm_even_while_its_server_does_not_answer(faults):
@@ -308,32 +333,6 @@ def test_an_idle_worker_exits_within_seconds_of_sigterm_even_while_its_server_do
     print(f"the idle worker exited {took:.1f} s after SIGTERM, its server frozen")
     assert idle.returncode == 0 and took < 2 * EXIT_FLUSH_S + 2, f"exit {idle.returncode} after {took:.1f} s"
     assert not [pid for pid in started if os.path.exists(f"/proc/{pid}")], started
-
-
-def test_a_worker_that_has_run_a_flow_exits_within_seconds_of_sigterm_saying_it_stopped(faults, dataset):
-    """The worker that trained a run, idle again, sent SIGTERM while its server is down (killed,
-    as in an outage or a reboot): it exits within EXIT_FLUSH_S of the signal whatever its shutdown
-    still waits for, and its output ends with the worker's "stopped" line."""
-    run_id = submit(faults, dataset, gpus=1, gpu_type="T4", steps=2, name="before-the-stop")
-    assert final(faults, run_id).state.is_completed()
-    logged(faults, run_id, "Releasing GPUs ")
-    name = read(faults, run_id).labels["frenzy.worker"]
-    worker, log = faults.processes[name], faults.logs / f"{name}.log"
-    said_before = len(log.read_text(errors="replace"))
-    time.sleep(3)  # idle again, past its next poll
-    faults.kill_prefect()
-    try:
-        asked = time.monotonic()
-        worker.send_signal(signal.SIGTERM)
-        worker.wait(timeout=60)
-        took = time.monotonic() - asked
-    finally:
-        faults.restart_prefect()
-        faults.start_worker(POOL, name=name)
-    said = log.read_text(errors="replace")[said_before:]
-    print(f"the worker that had run a flow exited {took:.1f} s after SIGTERM, its server down")
-    assert worker.returncode == 0 and took < 2 * EXIT_FLUSH_S + 2, f"exit {worker.returncode} after {took:.1f} s"
-    assert f"Worker {name!r} stopped!" in said, said[-2000:]
 
 
 def lease_storage_warning(stack: LocalStack) -> str | None:
